@@ -1,0 +1,1 @@
+"""onlinespec: online speculative decoding (Liu et al., ICML 2024)."""
