@@ -1,0 +1,262 @@
+"""The propose / verify loop with KV caches: lossless speculative decoding, batch size 1.
+
+One round: the proposer drafts up to ``k`` tokens; the target runs ONE forward pass over the
+tokens its cache has not seen plus the proposals (the first round: the whole prompt, so prefill
+and the first verification share a pass); :mod:`onlinespec.decoding.verify` accepts a prefix and
+adds one token; the target cache is cut back to the accepted tokens. With no proposer (or
+``k = 0``) the same loop is plain autoregressive decoding of the target alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from onlinespec.decoding.kvcache import truncate_cache
+from onlinespec.decoding.proposers.base import Proposal, Proposer
+from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
+from onlinespec.decoding.stopping import StopChecker
+from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclass
+class RoundTrace:
+    """What one verification saw; the online learner trains on these without re-running the target.
+
+    ``position`` is the index, in the request's full token sequence (prompt + generated), of the
+    first proposal; proposal ``i`` sits at ``position + i`` and was scored by the target's
+    distribution at row ``i`` (the logits computed at position ``position + i - 1``). Row
+    ``len(proposals)`` is the distribution after the last proposal (the bonus position).
+    """
+
+    position: int
+    proposals: list[int]
+    draft_probs: list[float] | None  # q(x_i) of each proposal; None for a point-mass proposer
+    target_top_ids: torch.Tensor  # [len(proposals) + 1, K] int64
+    target_top_logprobs: torch.Tensor  # [len(proposals) + 1, K] float32, log-softmax at temperature 1
+    n_accepted: int
+    next_token: int  # the target's correction (n_accepted < len(proposals)) or bonus token
+
+    @property
+    def accepted(self) -> list[bool]:
+        return [i < self.n_accepted for i in range(len(self.proposals))]
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # = target calls: one target forward per round
+    proposed: int = 0
+    accepted: int = 0
+    rejected: int = 0  # rounds that ended on a rejection (at most one rejection per round)
+    seconds: float = 0.0
+    target_seconds: float = 0.0  # target forwards
+    draft_seconds: float = 0.0  # draft forwards
+    finish_reason: str | None = None
+
+    @property
+    def target_calls(self) -> int:
+        return self.rounds
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: the share of target-judged proposals it accepted (the paper's per-token alpha).
+
+        Proposals after the first rejection of a round are never judged; counting them would
+        mix proposal length into alpha. Under the paper's i.i.d. model this is alpha's estimate.
+        """
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per target call (accepted proposals + the target's own token)."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Everything the engine spends outside model forwards (verification, caches, stopping)."""
+        return self.seconds - self.target_seconds - self.draft_seconds
+
+    def to_dict(self) -> dict:
+        names = ["acceptance_rate", "mean_accepted_length", "tokens_per_s", "target_calls", "overhead_seconds"]
+        return {**self.__dict__, **{n: getattr(self, n) for n in names}}
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # generated ids (EOS included when it ended the request)
+    prompt_ids: list[int]
+    stats: RequestStats
+    trace: list[RoundTrace] = field(default_factory=list)
+
+
+@dataclass
+class StreamChunk:
+    token_ids: list[int]  # the tokens this round added
+    text: str  # the text they complete (held back while a stop string may be forming)
+    stats: RequestStats | None = None  # set on the last chunk of the request
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of ``target`` with drafts from ``proposer``.
+
+    >>> decoder = SpeculativeDecoder(target, tokenizer, DraftModelProposer(draft), k=4)
+    >>> out = decoder.generate("Write a haiku", SamplingParams(max_new_tokens=64))
+    >>> out.text, out.stats.acceptance_rate
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer=None,
+        proposer: Proposer | None = None,
+        k: int = 4,
+        trace_top_k: int = 32,
+    ) -> None:
+        if k < 0:
+            raise ValueError(f"k (proposal length) must be >= 0, got {k}")
+        self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        self.k = k if proposer is not None else 0
+        self.trace_top_k = trace_top_k
+        eos = target.generation_config.eos_token_id if target.generation_config else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), trace: bool = False) -> Generation:
+        """Decode one request to the end. ``prompt``: text, chat messages, or token ids."""
+        prompt_ids = self.encode(prompt)
+        stats, stop, traces = RequestStats(), self._stop_checker(params), []
+        for _ in self._rounds(prompt_ids, params, stats, stop, traces if trace else None):
+            pass
+        text = stop.text() if self.tokenizer is not None else ""
+        return Generation(text, list(stop.generated), prompt_ids, stats, traces)
+
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+        """Yield each round's tokens and the text they complete, as soon as the round is verified."""
+        if self.tokenizer is None:
+            raise ValueError("streaming text needs a tokenizer")
+        prompt_ids = self.encode(prompt)
+        stats, stop = RequestStats(), self._stop_checker(params)
+        emitted = ""
+        for tokens in self._rounds(prompt_ids, params, stats, stop, None):
+            text = stop.text()
+            if stop.finish_reason is None:
+                text = _hold_back(text, params.stop_strings)
+            yield StreamChunk(tokens, text[len(emitted):], stats if stop.finish_reason else None)
+            emitted = max(emitted, text, key=len)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = list(prompt)
+        elif isinstance(prompt, list):
+            ids = self._require_tokenizer().apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True
+            )["input_ids"] if prompt else []
+        elif isinstance(prompt, str):
+            ids = self._require_tokenizer()(prompt).input_ids
+        else:
+            raise TypeError(f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one character of text or one chat message")
+        return ids
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _rounds(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stats: RequestStats,
+        stop: StopChecker,
+        traces: list[RoundTrace] | None,
+    ) -> Iterator[list[int]]:
+        start = time.perf_counter()
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        ids = list(prompt_ids)
+        cache = DynamicCache(config=self.target.config)
+        cached = 0  # ids whose keys/values are in the target cache
+        stats.prompt_tokens = len(ids)
+        if self.proposer is not None:
+            self.proposer.begin(ids)
+        want_probs = traces is not None
+        while stop.finish_reason is None:
+            # A round emits accepted + 1 tokens: never propose past max_new_tokens.
+            k = min(self.k, stop.remaining - 1)
+            proposal = Proposal()
+            if k > 0:
+                proposal = self.proposer.propose(ids, k, params, generator, with_probs=want_probs)
+            n = len(proposal)
+            tick = time.perf_counter()
+            logits = self.target(
+                input_ids=torch.tensor([ids[cached:] + proposal.tokens]), cache=cache, logits_to_keep=n + 1
+            ).logits[0]
+            stats.target_seconds += time.perf_counter() - tick
+            stats.draft_seconds += proposal.forward_seconds
+            verdict = self._verify(proposal, logits, params, generator)
+            if traces is not None:
+                traces.append(self._trace(len(ids), proposal, logits, verdict))
+            cached = len(ids) + verdict.n_accepted
+            truncate_cache(cache, cached)
+            new = stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])
+            ids.extend(new)
+            stats.rounds += 1
+            stats.proposed += n
+            stats.accepted += verdict.n_accepted
+            stats.rejected += verdict.n_accepted < n
+            stats.new_tokens = len(stop.generated)
+            stats.seconds = time.perf_counter() - start
+            stats.finish_reason = stop.finish_reason
+            yield new
+
+    @staticmethod
+    def _verify(proposal: Proposal, logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
+        if params.greedy:
+            return verify_greedy(proposal.tokens, logits)
+        return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, params), generator)
+
+    def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict) -> RoundTrace:
+        top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
+        draft_probs = None
+        if proposal.probs is not None:
+            draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens)].tolist()
+        return RoundTrace(
+            position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token
+        )
+
+    def _stop_checker(self, params: SamplingParams) -> StopChecker:
+        return StopChecker(params, self.eos_token_ids, self.tokenizer)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this decoder has no tokenizer: pass token ids, or build it with one")
+        return self.tokenizer
+
+
+def _hold_back(text: str, stop_strings: tuple[str, ...]) -> str:
+    """Drop a trailing partial character, and any tail that might be the start of a stop string."""
+    text = text.rstrip("\ufffd")
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                text = text[:-n]
+                break
+    return text

@@ -1,0 +1,62 @@
+"""When to stop a request: EOS, stop strings, max_new_tokens, without overshooting any of them.
+
+A speculative round emits several tokens at once; :meth:`StopChecker.clip` cuts a round's tokens
+at the first stop condition, so the output is the same as when tokens come one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onlinespec.decoding.sampling import SamplingParams
+
+
+@dataclass
+class StopChecker:
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    tokenizer: object | None = None  # needed for stop strings only
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+
+    def __post_init__(self) -> None:
+        if self.params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if self.params.ignore_eos:
+            self.eos_token_ids = frozenset()
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def clip(self, new_tokens: list[int]) -> list[int]:
+        """Append a round's tokens, cut at the first stop condition; return the tokens kept."""
+        kept: list[int] = []
+        for token in new_tokens:
+            kept.append(token)
+            self.generated.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "eos"
+            elif self.params.stop_strings and self._stop_string_at_end():
+                self.finish_reason = "stop"
+            elif self.remaining == 0:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+    def _stop_string_at_end(self) -> bool:
+        # A stop string completed by the last token lies within the text of the last few tokens.
+        longest = max(len(s) for s in self.params.stop_strings)
+        tail = self.tokenizer.decode(self.generated[-(longest + 1):], skip_special_tokens=True)
+        return any(s in tail for s in self.params.stop_strings)
+
+    def text(self, tokens: list[int] | None = None) -> str:
+        """The generated text, without special tokens, cut before the first stop string."""
+        text = self.tokenizer.decode(self.generated if tokens is None else tokens, skip_special_tokens=True)
+        return cut_at_stop_string(text, self.params.stop_strings)
+
+
+def cut_at_stop_string(text: str, stop_strings: tuple[str, ...]) -> str:
+    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
+    return text[:cut]

