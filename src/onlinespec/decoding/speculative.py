@@ -48,6 +48,13 @@ class RoundTrace:
         return [i < self.n_accepted for i in range(len(self.proposals))]
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    proposed: int
+    draft_seconds: float  # draft forwards of this round
+    target_seconds: float  # the target's forward (round 0: prefill + first verification)
+
+
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
@@ -60,6 +67,7 @@ class RequestStats:
     target_seconds: float = 0.0  # target forwards
     draft_seconds: float = 0.0  # draft forwards
     finish_reason: str | None = None
+    timings: list[RoundTiming] = field(default_factory=list, repr=False)
 
     @property
     def target_calls(self) -> int:
@@ -91,7 +99,8 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         names = ["acceptance_rate", "mean_accepted_length", "tokens_per_s", "target_calls", "overhead_seconds"]
-        return {**self.__dict__, **{n: getattr(self, n) for n in names}}
+        fields = {key: value for key, value in self.__dict__.items() if key != "timings"}
+        return {**fields, **{n: getattr(self, n) for n in names}}
 
 
 @dataclass
@@ -165,9 +174,11 @@ class SpeculativeDecoder:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             ids = list(prompt)
         elif isinstance(prompt, list):
+            if not any(str(m.get("content") or "").strip() for m in prompt):
+                raise ValueError("the prompt is empty: the chat messages have no content")
             ids = self._require_tokenizer().apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=True
-            )["input_ids"] if prompt else []
+            )["input_ids"]
         elif isinstance(prompt, str):
             ids = self._require_tokenizer()(prompt).input_ids
         else:
@@ -209,7 +220,9 @@ class SpeculativeDecoder:
             logits = self.target(
                 input_ids=torch.tensor([ids[cached:] + proposal.tokens]), cache=cache, logits_to_keep=n + 1
             ).logits[0]
-            stats.target_seconds += time.perf_counter() - tick
+            target_seconds = time.perf_counter() - tick
+            stats.timings.append(RoundTiming(len(proposal), proposal.forward_seconds, target_seconds))
+            stats.target_seconds += target_seconds
             stats.draft_seconds += proposal.forward_seconds
             verdict = self._verify(proposal, logits, params, generator)
             if traces is not None:

@@ -1,0 +1,281 @@
+"""Side-by-side benchmark: the target alone, our speculative decoding, Hugging Face assisted generation.
+
+All three run on the same prompts, interleaved prompt by prompt in one process, so machine noise
+hits them alike. For each prompt the order of the three is rotated. Figures are aggregates
+(total new tokens / total seconds) plus medians of per-prompt ratios.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from onlinespec.api import DraftChoice, make_proposer
+from onlinespec.costmodel import estimate
+from onlinespec.data import Query
+from onlinespec.decoding.autoregressive import autoregressive_decoder
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.speculative import Generation, SpeculativeDecoder
+from onlinespec.models import LoadedModel, load_model
+
+METHODS = ("target_alone", "speculative", "hf_assisted")
+# Greedy outputs may differ only where the target's top two logits are this close: verifying
+# k + 1 tokens in one pass and one token per pass round differently in the last bits.
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.15}
+
+
+@dataclass
+class BenchConfig:
+    target: str = "default"
+    draft: str = "ngram"
+    k: int = 3
+    dtype: str = "float32"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    hf_assisted: bool = True
+
+
+@dataclass
+class PromptResult:
+    id: str
+    domain: str
+    prompt_tokens: int
+    new_tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    greedy_identical: bool | None = None
+    divergence_logit_gap: float | None = None  # top-2 logit gap where a greedy output diverged
+
+
+def run_bench(
+    queries: Sequence[Query],
+    config: BenchConfig,
+    on_prompt: Callable[[int, PromptResult], None] | None = None,
+) -> dict:
+    """Run the three methods on every query and return the summary (see :func:`summarize`)."""
+    if not queries:
+        raise ValueError("no prompts to benchmark")
+    target = load_model(config.target, config.dtype)
+    choice = make_proposer(config.draft, target, config.dtype)
+    if choice.proposer is None:
+        raise ValueError("benchmark needs a draft: 'none' leaves nothing to compare")
+    decoders = {
+        "target_alone": autoregressive_decoder(target.model, target.tokenizer),
+        "speculative": SpeculativeDecoder(target.model, target.tokenizer, choice.proposer, k=config.k),
+    }
+    hf = HFAssisted(target, choice, config.k) if config.hf_assisted else None
+    methods = [m for m in METHODS if m != "hf_assisted" or hf]
+    _warm_up(decoders, hf, queries[0])
+
+    results, runs = [], {"target_alone": [], "speculative": []}
+    for i, query in enumerate(queries):
+        params = _params(config, query, seed=config.seed + i)
+        prompt = list(query.messages) if query.messages else query.prompt
+        outputs: dict[str, Generation | tuple[list[int], float]] = {}
+        for method in methods[i % len(methods):] + methods[: i % len(methods)]:
+            if method == "hf_assisted":
+                outputs[method] = hf.generate(decoders["target_alone"].encode(prompt), params)
+            else:
+                outputs[method] = decoders[method].generate(prompt, params)
+        result = _prompt_result(query, outputs, params, target, config.dtype)
+        for method in ("target_alone", "speculative"):
+            runs[method].append(outputs[method].stats)
+        results.append(result)
+        if on_prompt:
+            on_prompt(i, result)
+    return summarize(results, runs, config)
+
+
+def _params(config: BenchConfig, query: Query, seed: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=query.max_new_tokens or config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        seed=seed,
+    )
+
+
+def _warm_up(decoders: dict, hf: HFAssisted | None, query: Query) -> None:
+    prompt = list(query.messages) if query.messages else query.prompt
+    params = SamplingParams(max_new_tokens=8)
+    for decoder in decoders.values():
+        decoder.generate(prompt, params)
+    if hf:
+        hf.generate(decoders["target_alone"].encode(prompt), params)
+
+
+def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: LoadedModel, dtype: str) -> PromptResult:
+    ar, spec = outputs["target_alone"], outputs["speculative"]
+    result = PromptResult(query.id, query.domain, len(ar.prompt_ids))
+    for method, out in outputs.items():
+        if isinstance(out, Generation):
+            result.new_tokens[method], result.seconds[method] = len(out.token_ids), out.stats.seconds
+        else:
+            result.new_tokens[method], result.seconds[method] = len(out[0]), out[1]
+    result.acceptance_rate = spec.stats.acceptance_rate
+    result.mean_accepted_length = spec.stats.mean_accepted_length
+    if params.greedy:
+        result.greedy_identical = spec.token_ids == ar.token_ids
+        if not result.greedy_identical:
+            result.divergence_logit_gap = divergence_gap(target, ar.prompt_ids, ar.token_ids, spec.token_ids)
+    return result
+
+
+@torch.inference_mode()
+def divergence_gap(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> float:
+    """The gap between the target's two best logits where greedy outputs ``a`` and ``b`` first differ."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    logits = target.model(input_ids=torch.tensor([prompt_ids + a[:at]]), logits_to_keep=1).logits[0, -1]
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+class HFAssisted:
+    """Hugging Face assisted generation with the same draft and a constant k (no heuristics)."""
+
+    def __init__(self, target: LoadedModel, choice: DraftChoice, k: int) -> None:
+        self.target = target
+        self.kwargs: dict = {}
+        if choice.model is None:  # n-gram: HF's prompt lookup decoding
+            self.kwargs = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}
+        else:
+            draft = choice.model.model
+            draft.generation_config = target.model.generation_config.__class__.from_dict(
+                target.model.generation_config.to_dict()
+            )
+            draft.generation_config.num_assistant_tokens = k
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            draft.generation_config.assistant_confidence_threshold = 0.0
+            self.kwargs = {"assistant_model": draft}
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], float]:
+        ids = torch.tensor([prompt_ids])
+        sampling = {"do_sample": False}
+        if not params.greedy:
+            torch.manual_seed(params.seed or 0)
+            sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+        hf_logging.set_verbosity_error()  # HF warns about its own internal generation_config use
+        start = time.perf_counter()
+        out = self.target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=params.max_new_tokens,
+            pad_token_id=self.target.tokenizer.eos_token_id,
+            **sampling,
+            **self.kwargs,
+        )
+        seconds = time.perf_counter() - start
+        return out[0, len(prompt_ids):].tolist(), seconds
+
+
+# ------------------------------------------------------------------------------------------------
+# Summary
+# ------------------------------------------------------------------------------------------------
+
+
+def summarize(results: list[PromptResult], runs: dict[str, list], config: BenchConfig) -> dict:
+    summary = {
+        "n_prompts": len(results),
+        "k": config.k,
+        "draft": config.draft,
+        "config": asdict(config),
+        "machine": machine_info(),
+        **_figures(results, runs, config),
+        "domains": {},
+        "prompts": [asdict(r) for r in results],
+    }
+    for domain in sorted({r.domain for r in results}):
+        keep = [i for i, r in enumerate(results) if r.domain == domain]
+        domain_runs = {m: [runs[m][i] for i in keep] for m in runs}
+        summary["domains"][domain] = {"n_prompts": len(keep), **_figures([results[i] for i in keep], domain_runs, config)}
+    return summary
+
+
+def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchConfig) -> dict:
+    methods = [m for m in METHODS if m in results[0].seconds]
+    out: dict = {}
+    for m in methods:
+        tokens, seconds = sum(r.new_tokens[m] for r in results), sum(r.seconds[m] for r in results)
+        out[m] = {"tokens_per_s": tokens / seconds, "new_tokens": tokens, "seconds": seconds}
+    spec_stats = runs["speculative"]
+    accepted, rejected = sum(s.accepted for s in spec_stats), sum(s.rejected for s in spec_stats)
+    out["speculative"].update(
+        acceptance_rate=accepted / max(accepted + rejected, 1),
+        mean_accepted_length=sum(s.new_tokens for s in spec_stats) / sum(s.rounds for s in spec_stats),
+        proposed=sum(s.proposed for s in spec_stats),
+        accepted=accepted,
+        engine_overhead_fraction=sum(s.overhead_seconds for s in spec_stats) / sum(s.seconds for s in spec_stats),
+    )
+    if config.temperature == 0:
+        out["speculative"]["greedy_identical"] = sum(bool(r.greedy_identical) for r in results)
+        gaps = [r.divergence_logit_gap for r in results if r.divergence_logit_gap is not None]
+        out["speculative"]["divergences_max_logit_gap"] = max(gaps) if gaps else None
+        out["speculative"]["divergences_all_near_ties"] = all(g <= NEAR_TIE[config.dtype] for g in gaps)
+    out["speedup_vs_target"] = out["speculative"]["tokens_per_s"] / out["target_alone"]["tokens_per_s"]
+    out["median_speedup_vs_target"] = _median_ratio(results, "speculative", "target_alone")
+    if "hf_assisted" in out:
+        out["speedup_vs_hf"] = out["speculative"]["tokens_per_s"] / out["hf_assisted"]["tokens_per_s"]
+        out["median_speedup_vs_hf"] = _median_ratio(results, "speculative", "hf_assisted")
+        out["hf_speedup_vs_target"] = out["hf_assisted"]["tokens_per_s"] / out["target_alone"]["tokens_per_s"]
+    cost = _cost_estimate(runs, config.k)
+    if cost is not None:
+        out["cost_model"] = {
+            **asdict(cost),
+            "predicted_speedup": cost.predicted_speedup,
+            "paper_predicted_speedup": cost.paper_predicted_speedup,
+        }
+        out["predicted_speedup"] = cost.predicted_speedup
+    return out
+
+
+def _median_ratio(results: list[PromptResult], a: str, b: str) -> float:
+    rate = lambda r, m: r.new_tokens[m] / r.seconds[m]  # noqa: E731
+    return statistics.median(rate(r, a) / rate(r, b) for r in results)
+
+
+def _cost_estimate(runs: dict[str, list], k: int):
+    """alpha, c and verify cost from the runs' steady-state rounds (round 0 holds the prefill)."""
+    ar_steps = [t.target_seconds for s in runs["target_alone"] for t in s.timings[1:]]
+    spec_rounds = [t for s in runs["speculative"] for t in s.timings[1:]]
+    proposed = sum(t.proposed for t in spec_rounds)
+    stats = runs["speculative"]
+    if not ar_steps or not spec_rounds or sum(s.accepted + s.rejected for s in stats) == 0:
+        return None
+    step = statistics.fmean(ar_steps)
+    # Rounds proposing fewer than k (a request's last tokens, an n-gram miss) are a different
+    # workload: the verify cost is measured on the full rounds.
+    full = [t.target_seconds for t in spec_rounds if t.proposed == k] or [t.target_seconds for t in spec_rounds]
+    return estimate(
+        accepted=sum(s.accepted for s in stats),
+        rejected=sum(s.rejected for s in stats),
+        k=k,
+        draft_seconds_per_step=sum(t.draft_seconds for t in spec_rounds) / max(proposed, 1),
+        target_seconds_per_step=step,
+        verify_seconds_per_round=statistics.fmean(full),
+    )
+
+
+def machine_info() -> dict:
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }

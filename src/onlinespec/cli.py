@@ -1,0 +1,233 @@
+"""The ``onlinespec`` command: generate, bench, demo, data, costmodel."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
+data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
+app.add_typer(data_app, name="data")
+console = Console(stderr=True)  # progress and messages
+out = Console(width=None if sys.stdout.isatty() else 160)  # results
+
+DraftOpt = Annotated[str, typer.Option(help="'ngram[:N]', 'target-layers:N', a HF folder, a .gguf file, or 'none'")]
+TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
+KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16")]
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="the prompt text")],
+    chat: Annotated[bool, typer.Option("--chat/--raw", help="wrap the prompt as a user message in the chat template")] = True,
+    target: TargetOpt = "default",
+    draft: DraftOpt = DEFAULT_DRAFT,
+    k: KOpt = DEFAULT_K,
+    dtype: DtypeOpt = "float32",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy")] = 0.0,
+    top_p: float = 1.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    seed: Optional[int] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    stats: Annotated[bool, typer.Option("--stats", help="print per-request statistics to stderr")] = False,
+) -> None:
+    """Generate text for one prompt, streaming it to stdout."""
+    from onlinespec.api import load_decoder
+    from onlinespec.decoding.sampling import SamplingParams
+
+    params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+    with console.status("loading models"):
+        decoder = load_decoder(target, draft, k, dtype)
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+
+    def stream_out():
+        final = None
+        for chunk in decoder.stream(request, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            final = chunk.stats or final
+        sys.stdout.write("\n")
+        return final
+
+    final = _user_errors(stream_out)
+    if stats and final is not None:
+        console.print_json(json.dumps(final.to_dict()))
+
+
+@app.command()
+def bench(
+    prompts: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL: {'prompt'|'messages', 'domain'?, 'max_new_tokens'?}")],
+    json_out: Annotated[Path, typer.Option("--json", help="where to write the results")],
+    target: TargetOpt = "default",
+    draft: DraftOpt = DEFAULT_DRAFT,
+    k: KOpt = DEFAULT_K,
+    dtype: DtypeOpt = "float32",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="for prompts that do not set it")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    top_p: float = 1.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    seed: int = 0,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = True,
+) -> None:
+    """Target alone vs our speculative decoding vs HF assisted generation, side by side."""
+    from onlinespec.benchmark import BenchConfig
+    from onlinespec.data import read_queries_jsonl
+
+    queries = _user_errors(lambda: read_queries_jsonl(prompts))
+    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf)
+    summary = _run_bench(queries, config)
+    summary["command"] = " ".join(["onlinespec", *sys.argv[1:]])
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(summary, indent=2))
+    print_bench(summary)
+    console.print(f"wrote {json_out}")
+
+
+@app.command()
+def demo(
+    n_prompts: Annotated[int, typer.Option(min=3, help="packaged real prompts (chat, code, math)")] = 9,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON results go")] = Path("runs/demo"),
+) -> None:
+    """The main job on the embedded default: speculative decoding on packaged real prompts,
+    with the n-gram proposer and a draft model, side by side with the target alone and HF."""
+    from onlinespec.benchmark import BenchConfig
+    from onlinespec.data import packaged_prompts
+
+    queries = packaged_prompts(n_prompts, seed=1)
+    for draft, k in (("ngram", 3), ("target-layers:2", 2)):
+        console.rule(f"draft {draft}, k = {k}")
+        summary = _run_bench(queries, BenchConfig(draft=draft, k=k, max_new_tokens=max_new_tokens))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"bench-{draft.replace(':', '-')}.json").write_text(json.dumps(summary, indent=2))
+        print_bench(summary)
+
+
+@app.command()
+def costmodel(
+    alpha: Annotated[float, typer.Option(min=0.0, max=1.0)],
+    c: Annotated[float, typer.Option(min=0.0, help="draft step time / target step time")],
+    verify_cost: Annotated[float, typer.Option(min=0.0, help="verification pass / one target step")] = 1.0,
+    k_max: Annotated[int, typer.Option(min=1)] = 10,
+) -> None:
+    """Print the paper's expected tokens per round and speedup for k = 1..k_max."""
+    from onlinespec import costmodel as cm
+
+    table = Table(title=f"alpha {alpha}, c {c}, verify cost {verify_cost}")
+    for col in ("k", "tokens/round", "speedup"):
+        table.add_column(col, justify="right")
+    for kk in range(1, k_max + 1):
+        table.add_row(str(kk), f"{cm.expected_tokens_per_round(alpha, kk):.3f}", f"{cm.speedup(alpha, kk, c, verify_cost):.3f}")
+    out.print(table)
+    out.print(f"best k: {cm.best_k(alpha, c, k_max, verify_cost)}")
+
+
+@data_app.command("list")
+def data_list() -> None:
+    """List the packaged data sources."""
+    from onlinespec.data import SOURCES
+
+    table = Table("source", "description")
+    for name, source in SOURCES.items():
+        table.add_row(name, source.description)
+    out.print(table)
+
+
+@data_app.command("export")
+def data_export(
+    out: Annotated[Path, typer.Option(help="JSONL file to write")],
+    n: Annotated[int, typer.Option(min=1, help="number of prompts, spread evenly over the domains")] = 60,
+    domains: Annotated[str, typer.Option(help="comma-separated")] = "chat,code,math",
+    seed: int = 0,
+    max_new_tokens: Annotated[Optional[int], typer.Option(min=1)] = None,
+) -> None:
+    """Export packaged real prompts as a JSONL prompt file (for bench and generate)."""
+    import dataclasses
+
+    from onlinespec.data import packaged_prompts, write_queries_jsonl
+
+    queries = _user_errors(lambda: packaged_prompts(n, tuple(domains.split(",")), seed=seed))
+    if max_new_tokens:
+        queries = [dataclasses.replace(q, max_new_tokens=max_new_tokens) for q in queries]
+    write_queries_jsonl(out, queries)
+    console.print(f"wrote {len(queries)} prompts to {out}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
+    from onlinespec.decoding.sampling import SamplingParams
+
+    return _user_errors(lambda: SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed))
+
+
+def _user_errors(fn):
+    """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
+    try:
+        return fn()
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+def _run_bench(queries, config) -> dict:
+    from onlinespec.benchmark import run_bench
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task(f"bench {config.draft} k={config.k}", total=len(queries), info="")
+
+        def on_prompt(i, result):
+            rate = {m: result.new_tokens[m] / result.seconds[m] for m in result.seconds}
+            info = "  ".join(f"{m} {r:.1f} tok/s" for m, r in rate.items()) + f"  alpha {result.acceptance_rate:.2f}"
+            progress.update(task, advance=1, info=info)
+
+        return _user_errors(lambda: run_bench(queries, config, on_prompt))
+
+
+def print_bench(summary: dict) -> None:
+    table = Table(title=f"{summary['n_prompts']} prompts, draft {summary['draft']}, k = {summary['k']}")
+    for col in ("domain", "n", "target alone tok/s", "ours tok/s", "HF assisted tok/s", "alpha", "tau",
+                "ours/target", "ours/HF", "predicted", "greedy identical"):
+        table.add_column(col, justify="right")
+    rows = [("all", summary)] + list(summary["domains"].items())
+    for name, fig in rows:
+        hf = fig.get("hf_assisted", {}).get("tokens_per_s")
+        spec = fig["speculative"]
+        table.add_row(
+            name,
+            str(fig["n_prompts"]),
+            f"{fig['target_alone']['tokens_per_s']:.1f}",
+            f"{spec['tokens_per_s']:.1f}",
+            f"{hf:.1f}" if hf else "-",
+            f"{spec['acceptance_rate']:.3f}",
+            f"{spec['mean_accepted_length']:.2f}",
+            f"{fig['speedup_vs_target']:.2f}x",
+            f"{fig['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in fig else "-",
+            f"{fig['predicted_speedup']:.2f}x" if "predicted_speedup" in fig else "-",
+            f"{spec.get('greedy_identical', '-')}/{fig['n_prompts']}" if "greedy_identical" in spec else "-",
+        )
+    out.print(table)
+    cost = summary.get("cost_model")
+    if cost:
+        out.print(
+            f"cost model: alpha {cost['alpha']:.3f}, c {cost['c']:.3f}, verify cost {cost['verify_cost']:.2f} -> "
+            f"predicted {cost['predicted_speedup']:.2f}x (paper's formula, verify = 1: {cost['paper_predicted_speedup']:.2f}x); "
+            f"engine overhead {summary['speculative']['engine_overhead_fraction']:.1%} of request time"
+        )
+
+
+if __name__ == "__main__":
+    app()
