@@ -30,8 +30,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if isinstance(self.stop_strings, str):
-            object.__setattr__(self, "stop_strings", (self.stop_strings,))
+        stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        object.__setattr__(self, "stop_strings", stops)  # a tuple, so the params stay hashable
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
 

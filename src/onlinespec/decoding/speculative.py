@@ -200,8 +200,9 @@ class SpeculativeDecoder:
     ) -> Iterator[list[int]]:
         start = time.perf_counter()
         generator = None
-        if not params.greedy:
-            generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        if not params.greedy:  # a private generator: never touch torch's global random state
+            generator = torch.Generator()
+            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         ids = list(prompt_ids)
         cache = DynamicCache(config=self.target.config)
         cached = 0  # ids whose keys/values are in the target cache

@@ -46,10 +46,18 @@ class StopChecker:
         return kept
 
     def _stop_string_at_end(self) -> bool:
-        # A stop string completed by the last token lies within the text of the last few tokens.
+        """Did the last token complete a stop string? Decodes only as many trailing tokens as it
+        takes for the text before the last token to hold a whole stop string (byte-level tokens
+        can carry a fraction of a character, so that may be more tokens than characters)."""
         longest = max(len(s) for s in self.params.stop_strings)
-        tail = self.tokenizer.decode(self.generated[-(longest + 1):], skip_special_tokens=True)
+        n = longest + 1
+        while n < len(self.generated) and len(self._decode(self.generated[-n:-1]).lstrip("\ufffd")) < longest:
+            n *= 2
+        tail = self._decode(self.generated[-n:])
         return any(s in tail for s in self.params.stop_strings)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def text(self, tokens: list[int] | None = None) -> str:
         """The generated text, without special tokens, cut before the first stop string."""

@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny random Llama models (fast, CPU) and the real default target (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_tiny_llama(
+    seed: int,
+    vocab_size: int = 6,
+    hidden_size: int = 16,
+    num_layers: int = 1,
+    head_scale: float = 10.0,
+    eos_token_id: int | None = None,
+) -> LlamaForCausalLM:
+    """A random 1-layer Llama whose output head is scaled up so its distributions are peaked.
+
+    ``eos_token_id=None`` means the model has no EOS at all (generation only stops on length).
+    """
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.generation_config.eos_token_id = eos_token_id
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Factory: ``tiny_llama(seed, **kwargs)`` builds a fresh tiny random Llama (see build_tiny_llama)."""
+    return build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LlamaForCausalLM:
+    """Vocabulary 6, no EOS. Shared: tests must not modify it."""
+    return build_tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> LlamaForCausalLM:
+    """Same shape as ``tiny_target`` with other random weights, so its distributions differ."""
+    return build_tiny_llama(seed=1)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default target's real tokenizer (vocabulary 49152); converts the default model on first use."""
+    from transformers import AutoTokenizer
+
+    from onlinespec.models import default_target_dir
+
+    return AutoTokenizer.from_pretrained(str(default_target_dir()))
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    """The real default target (SmolLM2-135M-Instruct), loaded once per session. Slow tests only."""
+    from onlinespec.models import load_model
+
+    return load_model("default")
+
+
+def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> tuple[float, float, int]:
+    """Pearson chi-square goodness of fit of ``counts`` to ``probs``: ``(p_value, statistic, df)``.
+
+    Bins whose expected count is below ``min_expected`` are pooled into one bin (grown with the next
+    smallest bins until it reaches ``min_expected``). A count in a bin of probability exactly 0 is
+    an impossible outcome: the p-value is then 0. The p-value is the upper regularized incomplete
+    gamma function Q(df/2, stat/2), computed with torch (no scipy).
+    """
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    assert counts.shape == probs.shape
+    probs = probs / probs.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0, float("inf"), 0
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    n = counts.sum()
+    expected = probs * n
+    order = torch.argsort(expected)
+    expected, counts = expected[order], counts[order]
+    # pool the smallest bins until the pooled bin is large enough
+    cut = int((expected < min_expected).sum())
+    while cut and cut < len(expected) and expected[:cut].sum() < min_expected:
+        cut += 1
+    if cut > 1:
+        expected = torch.cat([expected[:cut].sum().reshape(1), expected[cut:]])
+        counts = torch.cat([counts[:cut].sum().reshape(1), counts[cut:]])
+    df = len(expected) - 1
+    if df < 1:
+        return 1.0, 0.0, 0
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return p, stat, df
+
+
+@pytest.fixture(scope="session")
+def chi_square():
+    """The :func:`chi_square_pvalue` helper, as a fixture so any test module can use it."""
+    return chi_square_pvalue
+
+
+@pytest.fixture
+def one_thread():
+    """Run tiny-model decoding on one CPU thread: with tiny matrices extra threads only add
+    synchronization, and on a busy 2-core machine they make each step many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
