@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from onlinespec.decoding.calibrate import forward_costs, padding_plan
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
@@ -50,8 +51,19 @@ def load_decoder(
     draft: str = DEFAULT_DRAFT,
     k: int = DEFAULT_K,
     dtype: str | torch.dtype = "float32",
+    calibrate: bool = True,
 ) -> SpeculativeDecoder:
-    """Load the target (a spec or an already loaded model) and a draft, and pair them."""
+    """Load the target (a spec or an already loaded model) and a draft, and pair them.
+
+    ``calibrate`` times the target's forward per block width (about 3 s) and pads verification
+    blocks to the widths this machine runs fastest (:mod:`onlinespec.decoding.calibrate`).
+    """
     loaded = target if isinstance(target, LoadedModel) else load_model(target, dtype)
     choice = make_proposer(draft, loaded, dtype)
-    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k)
+    padding = verify_padding(loaded, k) if calibrate and choice.proposer is not None else None
+    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, verify_padding=padding)
+
+
+def verify_padding(target: LoadedModel, k: int) -> dict[int, int]:
+    """The padding plan for verification blocks of up to k + 1 tokens, measured on this machine."""
+    return padding_plan(forward_costs(target.model, max_width=max(8, k + 4)))

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.api import DraftChoice, make_proposer
+from onlinespec.api import DraftChoice, make_proposer, verify_padding
 from onlinespec.costmodel import estimate
 from onlinespec.data import Query
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -44,6 +44,7 @@ class BenchConfig:
     top_k: int = 0
     seed: int = 0
     hf_assisted: bool = True
+    pad_verify: bool = True  # pad verification blocks to the widths this CPU runs fastest
 
 
 @dataclass
@@ -73,7 +74,10 @@ def run_bench(
         raise ValueError("benchmark needs a draft: 'none' leaves nothing to compare")
     decoders = {
         "target_alone": autoregressive_decoder(target.model, target.tokenizer),
-        "speculative": SpeculativeDecoder(target.model, target.tokenizer, choice.proposer, k=config.k),
+        "speculative": SpeculativeDecoder(
+            target.model, target.tokenizer, choice.proposer, k=config.k,
+            verify_padding=verify_padding(target, config.k) if config.pad_verify else None,
+        ),
     }
     hf = HFAssisted(target, choice, config.k) if config.hf_assisted else None
     methods = [m for m in METHODS if m != "hf_assisted" or hf]

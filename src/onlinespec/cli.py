@@ -79,13 +79,14 @@ def bench(
     top_k: Annotated[int, typer.Option(min=0)] = 0,
     seed: int = 0,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = True,
+    pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = True,
 ) -> None:
     """Target alone vs our speculative decoding vs HF assisted generation, side by side."""
     from onlinespec.benchmark import BenchConfig
     from onlinespec.data import read_queries_jsonl
 
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
-    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf)
+    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify)
     summary = _run_bench(queries, config)
     summary["command"] = " ".join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)

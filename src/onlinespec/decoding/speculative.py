@@ -134,12 +134,16 @@ class SpeculativeDecoder:
         proposer: Proposer | None = None,
         k: int = 4,
         trace_top_k: int = 32,
+        verify_padding: dict[int, int] | None = None,
     ) -> None:
+        """``verify_padding`` maps a verification block's width to a larger width that the
+        target runs faster (see :mod:`onlinespec.decoding.calibrate`); default: no padding."""
         if k < 0:
             raise ValueError(f"k (proposal length) must be >= 0, got {k}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.k = k if proposer is not None else 0
         self.trace_top_k = trace_top_k
+        self.verify_padding = verify_padding or {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -217,10 +221,12 @@ class SpeculativeDecoder:
             if k > 0:
                 proposal = self.proposer.propose(ids, k, params, generator, with_probs=want_probs)
             n = len(proposal)
+            block = ids[cached:] + proposal.tokens
+            pad = self.verify_padding.get(len(block), len(block)) - len(block)
             tick = time.perf_counter()
             logits = self.target(
-                input_ids=torch.tensor([ids[cached:] + proposal.tokens]), cache=cache, logits_to_keep=n + 1
-            ).logits[0]
+                input_ids=torch.tensor([block + block[-1:] * pad]), cache=cache, logits_to_keep=n + 1 + pad
+            ).logits[0, : n + 1]
             target_seconds = time.perf_counter() - tick
             stats.timings.append(RoundTiming(len(proposal), proposal.forward_seconds, target_seconds))
             stats.target_seconds += target_seconds
