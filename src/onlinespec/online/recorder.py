@@ -1,0 +1,73 @@
+"""Turn a request's verification trace into distillation records, without running the target again.
+
+Alignment (the official prototype got it wrong): trace row ``j`` of a round holds the target's
+distribution FOR the token at sequence position ``t = round.position + j``, computed from the
+logits at position ``t - 1``. A record names ``t``; the trainer compares it with the draft's
+logits at ``t - 1``, the ones that predicted the token at ``t`` (for a rejection: the logits that
+proposed the rejected token, which is where the draft was wrong).
+
+Which rows are kept:
+- ``"rejected"`` (the paper): the row of each round's first rejection, the position where the
+  target's correction replaced the draft's proposal. A round whose proposals were all accepted
+  has no error: its bonus row is not one.
+- ``"verified"``: every row whose context is the request's final text: the accepted proposals,
+  the rejected one, and the bonus row. Rows after a rejection are conditioned on rejected
+  tokens, so they are never kept.
+Positions at or past the end of the final output (cut by EOS, a stop string or max_new_tokens)
+are dropped too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onlinespec.decoding.speculative import Generation
+
+POSITION_POLICIES = ("rejected", "verified")
+
+
+@dataclass
+class DistillRecord:
+    """One request's training signal: its tokens and the target's top-K at chosen positions."""
+
+    token_ids: list[int]  # prompt + generated output
+    positions: list[int]  # t: learn p(token_ids[t] | token_ids[:t]) from the draft's logits at t - 1
+    top_ids: torch.Tensor  # [len(positions), K] int64: the target's top-K token ids at t
+    top_logprobs: torch.Tensor  # [len(positions), K] float32: their log-probabilities (temperature 1)
+    prompt_len: int
+    domain: str = "default"
+    request_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def record_from_generation(
+    generation: Generation, policy: str = "rejected", domain: str = "default", request_id: str = ""
+) -> DistillRecord | None:
+    """The record of one traced request (``generate(..., trace=True)``), or None if it has no positions."""
+    if policy not in POSITION_POLICIES:
+        raise ValueError(f"unknown position policy {policy!r}: use one of {POSITION_POLICIES}")
+    if not generation.trace and generation.token_ids:
+        raise ValueError("this generation carries no verification trace: decode with trace=True")
+    tokens = generation.prompt_ids + generation.token_ids
+    positions, ids, logprobs = [], [], []
+    for round_ in generation.trace:
+        n, proposed = round_.n_accepted, len(round_.proposals)
+        if policy == "rejected":
+            rows = [n] if n < proposed and proposed > 0 else []
+        else:
+            rows = range(n + 1)  # accepted rows, then the correction or bonus row
+        for j in rows:
+            t = round_.position + j
+            if t < len(tokens):
+                positions.append(t)
+                ids.append(round_.target_top_ids[j])
+                logprobs.append(round_.target_top_logprobs[j])
+    if not positions:
+        return None
+    return DistillRecord(
+        tokens, positions, torch.stack(ids), torch.stack(logprobs).float(), len(generation.prompt_ids), domain, request_id
+    )
