@@ -15,20 +15,29 @@ from onlinespec.decoding.kvcache import truncate_cache
 class DraftModelProposer:
     """Runs the draft autoregressively for ``k`` steps, reusing its KV cache across rounds."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "draft") -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "draft", version: str = "v0") -> None:
         self.model = model
         self.name = name
+        self.version = version
+        self._incoming: tuple[PreTrainedModel, str] | None = None
         self._cache: DynamicCache | None = None
         self._seen: list[int] = []  # the token ids whose keys/values are in the cache
 
     def begin(self, prompt_ids: list[int]) -> None:
+        self._take_incoming()
         self._cache = DynamicCache(config=self.model.config)
         self._seen = []
 
-    def swap_model(self, model: PreTrainedModel) -> None:
-        """Serve with a new draft from the next request on (its cache must be rebuilt)."""
-        self.model = model
-        self._cache, self._seen = None, []
+    def swap_model(self, model: PreTrainedModel, version: str) -> None:
+        """Hand over a new draft; safe to call from another thread. The engine's next round
+        picks it up (a single reference assignment, so a round sees one draft or the other)."""
+        self._incoming = (model, version)
+
+    def _take_incoming(self) -> None:
+        incoming, self._incoming = self._incoming, None
+        if incoming is not None:
+            self.model, self.version = incoming
+            self._cache, self._seen = DynamicCache(config=self.model.config), []
 
     @torch.inference_mode()
     def propose(
@@ -39,6 +48,7 @@ class DraftModelProposer:
         generator: torch.Generator | None,
         with_probs: bool = False,
     ) -> Proposal:
+        self._take_incoming()
         if self._cache is None:
             self.begin(ids)
         pending = self._sync(ids)
