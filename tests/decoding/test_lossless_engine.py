@@ -206,3 +206,17 @@ def test_exact_distribution_sums_to_one(tiny_target):
         assert len(dist) == 6**NEW_TOKENS
     # the warp really cuts: some continuations are impossible
     assert any(v == 0 for v in exact_distribution(tiny_target, PROMPT, SamplingParams(**WARPED)).values())
+
+
+def test_bfloat16_greedy_speculative_equals_autoregressive(tiny_llama):
+    """bf16 target and draft: the engine runs in the models' dtype and stays token-identical."""
+    target = tiny_llama(seed=0, vocab_size=32, hidden_size=32).to(torch.bfloat16)
+    draft = tiny_llama(seed=3, vocab_size=32, hidden_size=32).to(torch.bfloat16)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for prompt in ([1, 2, 3], [7, 8, 9, 10]):
+        expected = autoregressive_decoder(target).generate(prompt, params).token_ids
+        out = SpeculativeDecoder(target, None, DraftModelProposer(draft), k=3).generate(prompt, params)
+        assert out.token_ids == expected
+    sampled = SpeculativeDecoder(target, None, DraftModelProposer(draft), k=3).generate(
+        [1, 2, 3], SamplingParams(max_new_tokens=10, temperature=0.8, seed=0, ignore_eos=True))
+    assert len(sampled.token_ids) == 10
