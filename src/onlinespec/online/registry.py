@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from onlinespec.weights import unique_tensors
+
 
 class DraftRegistry:
     def __init__(self, directory: str | Path) -> None:
@@ -47,8 +49,7 @@ class DraftRegistry:
         version = f"v{int(existing[-1][1:]) + 1 if existing else 1:04d}"
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.directory))
         try:
-            tensors = {name: t.detach().contiguous().cpu() for name, t in _dedupe(state_dict).items()}
-            save_file(tensors, str(tmp / "model.safetensors"))
+            save_file(unique_tensors(state_dict), str(tmp / "model.safetensors"))
             full_meta = {"version": version, "published_at": time.time(), **meta}
             (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2))
             for name in ("model.safetensors", "meta.json"):
@@ -91,13 +92,3 @@ class DraftRegistry:
             raise FileNotFoundError(f"no draft version {version!r} in {self.directory}; versions: {self.versions()}")
         return path
 
-
-def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): keep the first name."""
-    seen, out = set(), {}
-    for name, tensor in state_dict.items():
-        key = (tensor.data_ptr(), tensor.shape)
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor
-    return out
