@@ -4,7 +4,7 @@ Lossless speculative decoding of a target LLM whose draft learns from live traff
 entry points::
 
     from onlinespec import load_decoder, SamplingParams
-    decoder = load_decoder(target="default", draft="ngram", k=3)
+    decoder = load_decoder(target="default", draft="ngram", k=4)
     out = decoder.generate("Once upon a time", SamplingParams(max_new_tokens=32))
 """
 

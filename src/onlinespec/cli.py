@@ -107,7 +107,7 @@ def demo(
     from onlinespec.data import packaged_prompts
 
     queries = packaged_prompts(n_prompts, seed=1)
-    for draft, k in (("ngram", 3), ("target-layers:2", 2)):
+    for draft, k in (("ngram", 4), ("target-layers:2", 2)):
         console.rule(f"draft {draft}, k = {k}")
         summary = _run_bench(queries, BenchConfig(draft=draft, k=k, max_new_tokens=max_new_tokens))
         out_dir.mkdir(parents=True, exist_ok=True)
