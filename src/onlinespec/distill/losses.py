@@ -40,7 +40,7 @@ def distill_loss(
     beta: float = 0.5,
 ) -> torch.Tensor:
     """The loss ``name`` (one of :data:`LOSSES`), averaged over the masked positions."""
-    log_p, log_q = _log_buckets(student_logits, teacher, temperature)
+    log_p, log_q = bucket_log_probs(student_logits, teacher, temperature)
     if name == "fkl":
         per_position = kl(log_p, log_q)
     elif name == "rkl":
@@ -78,7 +78,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def _log_buckets(student_logits: torch.Tensor, teacher: Teacher, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def bucket_log_probs(student_logits: torch.Tensor, teacher: Teacher, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher and student log-probabilities over the same buckets: all V tokens, or K + 1."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

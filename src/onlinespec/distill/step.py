@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from onlinespec.distill.losses import SparseTeacher, distill_loss
+from onlinespec.distill.losses import SparseTeacher, bucket_log_probs, distill_loss
 from onlinespec.online.recorder import DistillRecord
 
 
@@ -50,10 +50,15 @@ def collate(records: Sequence[DistillRecord], pad_id: int = 0) -> Batch:
     return Batch(input_ids, attention_mask, rows, predictors, teacher)
 
 
-def batch_loss(draft: PreTrainedModel, batch: Batch, config: DistillConfig) -> torch.Tensor:
+def student_logits(draft: PreTrainedModel, batch: Batch) -> torch.Tensor:
+    """The draft's logits at the predicting positions ``t - 1``: ``[N, V]``."""
     hidden = draft.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    student_logits = draft.get_output_embeddings()(hidden[batch.rows, batch.predictors])
-    return distill_loss(config.loss, student_logits, batch.teacher, temperature=config.temperature, beta=config.beta)
+    return draft.get_output_embeddings()(hidden[batch.rows, batch.predictors])
+
+
+def batch_loss(draft: PreTrainedModel, batch: Batch, config: DistillConfig) -> torch.Tensor:
+    logits = student_logits(draft, batch)
+    return distill_loss(config.loss, logits, batch.teacher, temperature=config.temperature, beta=config.beta)
 
 
 def distill_step(
@@ -72,10 +77,15 @@ def distill_step(
 
 @torch.inference_mode()
 def evaluate(draft: PreTrainedModel, records: Sequence[DistillRecord], config: DistillConfig) -> dict[str, float]:
-    """Loss and greedy agreement (the draft's argmax equals the target's) on held-out records."""
+    """On held-out records: the loss; ``agreement``, how often the draft's argmax is the target's
+    (greedy acceptance of a first proposal); and ``alpha`` = sum min(p, q), the acceptance
+    probability of a sampled proposal (over the stored top-K plus the tail bucket)."""
     batch = collate(records)
-    hidden = draft.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    logits = draft.get_output_embeddings()(hidden[batch.rows, batch.predictors])
+    logits = student_logits(draft, batch)
     loss = distill_loss(config.loss, logits, batch.teacher, temperature=config.temperature, beta=config.beta)
-    agreement = (logits.argmax(-1) == batch.teacher.top_ids[:, 0]).float().mean()
-    return {"loss": float(loss), "agreement": float(agreement)}
+    log_p, log_q = bucket_log_probs(logits, batch.teacher)
+    return {
+        "loss": float(loss),
+        "agreement": float((logits.argmax(-1) == batch.teacher.top_ids[:, 0]).float().mean()),
+        "alpha": float(torch.minimum(log_p.exp(), log_q.exp()).sum(-1).mean()),
+    }

@@ -1,0 +1,151 @@
+"""The online learner (PAPER.md section 3): every I requests, distil a private copy of the serving
+draft on the replay buffer in the background, gate it on held-out recent records, publish it to
+the registry and hand it to the proposer, which takes it between two rounds.
+
+The serving path only appends a record and counts (``observe``); it never waits for an update.
+An update that is still running when the next one is due is not stacked: the next one starts
+when the current one ends and the count is reached again.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+from onlinespec.decoding.speculative import Generation
+from onlinespec.distill.step import DistillConfig, distill_step, evaluate
+from onlinespec.online.buffer import ReplayBuffer
+from onlinespec.online.recorder import record_from_generation
+from onlinespec.online.registry import DraftRegistry
+
+UNITS = ("requests", "records", "tokens")
+
+
+@dataclass
+class LearnerConfig:
+    update_interval: int = 50  # I
+    interval_unit: str = "requests"  # requests | records | tokens (generated tokens)
+    position_policy: str = "rejected"  # which verified positions become training rows (recorder)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    steps_per_update: int = 20
+    batch_size: int = 8
+    lr: float = 1e-4
+    gate_fraction: float = 0.2  # the newest share of the buffer, held out to judge a candidate
+    gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
+    threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
+
+    def __post_init__(self) -> None:
+        if self.interval_unit not in UNITS:
+            raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
+        if self.update_interval < 1 or self.steps_per_update < 1:
+            raise ValueError("update_interval and steps_per_update must be >= 1")
+
+
+@dataclass
+class UpdateReport:
+    version: str | None  # published version, or None when the gate refused the candidate
+    parent: str
+    records_seen: int
+    loss_before: float
+    loss_after: float
+    alpha_before: float  # on the held-out records, serving draft
+    alpha_after: float  # candidate
+    seconds: float
+
+
+class OnlineLearner:
+    def __init__(
+        self,
+        proposer: DraftModelProposer,
+        buffer: ReplayBuffer,
+        registry: DraftRegistry,
+        config: LearnerConfig = LearnerConfig(),
+        background: bool = True,
+    ) -> None:
+        self.proposer, self.buffer, self.registry, self.config = proposer, buffer, registry, config
+        self.background = background
+        self.reports: list[UpdateReport] = []
+        self._count = 0
+        self._records_seen = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the buffer between serving and learner threads
+        if registry.current() is None:
+            registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft"})
+        proposer.version = registry.current()
+
+    def observe(self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True) -> None:
+        """Record a served request (skipped when ``train`` is False) and start an update when due."""
+        record = record_from_generation(generation, self.config.position_policy, domain, request_id) if train else None
+        with self._lock:
+            if record is not None:
+                self.buffer.add(record)
+                self._records_seen += 1
+            unit = self.config.interval_unit
+            self._count += {"requests": 1, "records": int(record is not None), "tokens": len(generation.token_ids)}[unit]
+            due = self._count >= self.config.update_interval and not self.busy
+            if due:
+                self._count = 0
+        if due:
+            if self.background:
+                self._thread = threading.Thread(target=self._update, name="onlinespec-learner", daemon=True)
+                self._thread.start()
+            else:
+                self._update()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the update in flight (if any) ends: for shutdown and tests, never serving."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the update (learner thread) ------------------------------------------------------------
+
+    def _update(self) -> None:
+        torch.set_num_threads(self.config.threads)
+        start = time.perf_counter()
+        with self._lock:
+            records = self.buffer.records()
+            records_seen = self._records_seen
+        if len(records) < 2:
+            return
+        held_out_n = max(1, int(len(records) * self.config.gate_fraction))
+        train, held_out = records[:-held_out_n], records[-held_out_n:]
+        serving, parent = self.proposer.model, self.proposer.version
+        candidate = copy.deepcopy(serving)  # private: the serving draft is never touched
+        before = evaluate(serving, held_out, self.config.distill)
+        optimizer = torch.optim.AdamW([p for p in candidate.parameters()], lr=self.config.lr)
+        candidate.requires_grad_(True)
+        generator = torch.Generator().manual_seed(len(self.reports))
+        for _ in range(self.config.steps_per_update):
+            pick = torch.randint(len(train), (min(self.config.batch_size, len(train)),), generator=generator).tolist()
+            distill_step(candidate, optimizer, [train[i] for i in pick], self.config.distill)
+        candidate.requires_grad_(False).eval()
+        after = evaluate(candidate, held_out, self.config.distill)
+        version = None
+        if after["alpha"] >= before["alpha"] - self.config.gate_margin:
+            meta = {
+                "parent": parent,
+                "records_seen": records_seen,
+                "loss_before": before["loss"],
+                "loss_after": after["loss"],
+                "alpha_before": before["alpha"],
+                "alpha_after": after["alpha"],
+                "config": asdict(self.config),
+            }
+            version = self.registry.publish(candidate.state_dict(), meta)
+            self.proposer.swap_model(candidate, version)
+            with self._lock:
+                self.buffer.after_update()
+        self.reports.append(
+            UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
+                         time.perf_counter() - start)
+        )
+
