@@ -54,3 +54,39 @@ def test_costmodel_prints_best_k():
     result = runner.invoke(app, ["costmodel", "--alpha", "0.6", "--c", "0.05", "--k-max", "10"])
     assert result.exit_code == 0
     assert "best k: 4" in result.output
+
+
+def test_data_stream_exports_a_shift_schedule(tmp_path):
+    out = tmp_path / "stream.jsonl"
+    result = runner.invoke(app, ["data", "stream", "--out", str(out), "--domains", "code,chat", "--every", "5"])
+    assert result.exit_code == 0, result.output
+    domains = [json.loads(line)["domain"] for line in out.read_text().splitlines()]
+    assert domains == ["code"] * 5 + ["chat"] * 5
+    bad = runner.invoke(app, ["data", "stream", "--out", str(out), "--schedule", "zigzag"])
+    assert bad.exit_code == 2 and "zigzag" in bad.output
+
+
+@pytest.mark.slow
+def test_online_serves_a_stream_learns_and_reports(tmp_path):
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"Write a Python function number {i} that adds numbers."}],
+                    "domain": "code" if i < 3 else "chat", **({"train": False} if i == 5 else {})}) + "\n"
+        for i in range(6)
+    ))
+    out_json, out_dir = tmp_path / "online.json", tmp_path / "run"
+    result = runner.invoke(app, ["online", "--stream", str(stream), "--json", str(out_json), "--out-dir", str(out_dir),
+                                 "--max-new-tokens", "8", "--update-interval", "2", "--steps-per-update", "2",
+                                 "--positions", "verified"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    rows = data["requests"]
+    assert [r["i"] for r in rows] == list(range(6))
+    for row in rows:
+        assert {"domain", "acceptance_rate", "draft_version", "new_tokens", "seconds"} <= set(row)
+    assert set(data["domains"]) == {"code", "chat"} and data["summary"]["n_requests"] == 6
+    assert data["updates"], "an update every 2 requests: some must have run"
+    events = [json.loads(line) for line in (out_dir / "events.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "request" for e in events) == 6 and any(e["event"] == "update" for e in events)
+    assert (out_dir / "report.md").exists() and (out_dir / "alpha.png").stat().st_size > 0
+    assert (out_dir / "drafts" / "CURRENT").exists()

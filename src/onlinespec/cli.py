@@ -116,6 +116,61 @@ def demo(
 
 
 @app.command()
+def online(
+    stream: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL query stream (see `onlinespec data stream`)")],
+    json_out: Annotated[Path, typer.Option("--json", help="per-request rows and the summary")],
+    out_dir: Annotated[Path, typer.Option(help="buffer, draft registry, event log and report")] = Path("runs/online"),
+    target: TargetOpt = "default",
+    draft: DraftOpt = "target-layers:2",
+    k: KOpt = 2,
+    dtype: DtypeOpt = "float32",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    learn: Annotated[bool, typer.Option("--learn/--static", help="update the draft online, or keep it static")] = True,
+    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = 50,
+    interval_unit: Annotated[str, typer.Option(help="requests, records or tokens")] = "requests",
+    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
+    beta: Annotated[float, typer.Option(help="JSD mixing weight")] = 0.5,
+    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = "rejected",
+    buffer_policy: Annotated[str, typer.Option(help="clear, window, reservoir or priority")] = "window",
+    steps_per_update: Annotated[int, typer.Option(min=1)] = 20,
+    lr: float = 1e-4,
+    learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = 1,
+) -> None:
+    """Serve a query stream with speculative decoding while the draft learns from it."""
+    from onlinespec.data import read_queries_jsonl
+    from onlinespec.distill.step import DistillConfig
+    from onlinespec.online.learner import LearnerConfig
+    from onlinespec.online.report import write_report
+    from onlinespec.online.stream import OnlineConfig, run_stream
+
+    queries = _user_errors(lambda: read_queries_jsonl(stream))
+    learner = _user_errors(lambda: LearnerConfig(
+        update_interval=update_interval, interval_unit=interval_unit, position_policy=positions,
+        distill=DistillConfig(loss=loss, beta=beta), steps_per_update=steps_per_update, lr=lr, threads=learner_threads,
+    ))
+    config = OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner)
+    columns = [TextColumn("online"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("", total=len(queries), info="")
+
+        def on_request(row):
+            info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {row['tokens_per_s']:.1f} tok/s  "
+                    f"draft {row['draft_version']}  {row['domain']}")
+            progress.update(task, advance=1, info=info)
+
+        result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request))
+    result["command"] = " ".join(["onlinespec", *sys.argv[1:]])
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2))
+    label = "online" if learn else "static"
+    report = write_report({label: result}, out_dir, f"{label} draft {draft}, k = {k}", result["command"])
+    summary = result["summary"]
+    out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s, alpha first 50 "
+              f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
+              f"{len(result['updates'])} updates. Report: {report}")
+
+
+@app.command()
 def costmodel(
     alpha: Annotated[float, typer.Option(min=0.0, max=1.0)],
     c: Annotated[float, typer.Option(min=0.0, help="draft step time / target step time")],
@@ -163,6 +218,35 @@ def data_export(
         queries = [dataclasses.replace(q, max_new_tokens=max_new_tokens) for q in queries]
     write_queries_jsonl(out, queries)
     console.print(f"wrote {len(queries)} prompts to {out}")
+
+
+@data_app.command("stream")
+def data_stream(
+    out: Annotated[Path, typer.Option(help="JSONL file to write")],
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order")] = "math,code,chat",
+    schedule: Annotated[str, typer.Option(help="abrupt (shift every N), gradual (mix across each block) or random")] = "abrupt",
+    every: Annotated[int, typer.Option(min=1, help="queries per domain block")] = 100,
+    split_name: Annotated[str, typer.Option("--split", help="warmup, online or heldout queries only")] = "online",
+    seed: int = 0,
+) -> None:
+    """Export a query stream of packaged real data with a domain-shift schedule."""
+    from onlinespec.data import write_queries_jsonl
+    from onlinespec.data.sources import english_pools
+    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix, split
+
+    def build():
+        pools = {d: split(pool, split_name) for d, pool in english_pools(domains.split(",")).items()}
+        if schedule == "abrupt":
+            return abrupt_shifts(pools, every, seed)
+        if schedule == "gradual":
+            return gradual_mix(pools, every, seed)
+        if schedule == "random":
+            return random_mix(pools, every * len(pools), seed=seed)
+        raise ValueError(f"unknown schedule {schedule!r}: use abrupt, gradual or random")
+
+    queries = _user_errors(build)
+    write_queries_jsonl(out, queries)
+    console.print(f"wrote {len(queries)} queries to {out}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -465,7 +465,12 @@ SOURCES: dict[str, Source] = {
 """Source name -> loader and description, e.g. for a CLI ``sources`` listing."""
 
 
-def _english_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
+def english_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
+    """Every English query of each domain: chat = ShareGPT chat + chitchat, code = HumanEval +
+    ShareGPT code, math = GSM-Symbolic English (only 100 problems)."""
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown domain(s) {unknown}: use names from {DOMAINS}")
     sharegpt = load_sharegpt() if {"chat", "code"} & set(domains) else []
     builders: dict[str, Callable[[], list[Query]]] = {
         "chat": lambda: [q for q in sharegpt if q.domain == "chat"] + load_chitchat(),
@@ -492,7 +497,7 @@ def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0) ->
         raise ValueError(f"domains must be distinct names from {DOMAINS}, got {tuple(domains)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    pools = _english_pools(domains)
+    pools = english_pools(domains)
     picked: list[list[Query]] = []
     for i, domain in enumerate(domains):
         want = n // len(domains) + (i < n % len(domains))

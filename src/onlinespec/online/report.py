@@ -1,0 +1,59 @@
+"""Reports of an online run: a markdown table and a PNG of alpha over requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write_report(results: dict[str, dict], out_dir: str | Path, title: str, command: str = "") -> Path:
+    """``results`` maps a run label (e.g. "online", "static") to :func:`run_stream`'s output."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = out_dir / "alpha.png"
+    plot_alpha(results, plot, title)
+    lines = [f"# {title}", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += ["| run | domain | requests | tokens/s | alpha mean | alpha first 50 | alpha last 50 |", "|---|---|---|---|---|---|---|"]
+    for label, result in results.items():
+        for name, fig in [("all", result["summary"]), *result["domains"].items()]:
+            lines.append(
+                f"| {label} | {name} | {fig['n_requests']} | {fig['tokens_per_s']:.1f} | {fig['acceptance_rate_mean']:.3f} | "
+                f"{fig['acceptance_rate_first_50']:.3f} | {fig['acceptance_rate_last_50']:.3f} |"
+            )
+    for label, result in results.items():
+        published = [u for u in result["updates"] if u["version"]]
+        if result["updates"]:
+            lines += ["", f"{label}: {len(result['updates'])} updates, {len(published)} published (gate refused the rest)."]
+    lines += ["", f"![alpha over requests]({plot.name})", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for label, result in results.items():
+        rows = result["requests"]
+        ax.plot([r["i"] for r in rows], [r["alpha_moving_average"] for r in rows], label=label)
+    rows = next(iter(results.values()))["requests"]
+    for i in range(1, len(rows)):
+        if rows[i]["domain"] != rows[i - 1]["domain"]:
+            ax.axvline(i, color="grey", linestyle="--", linewidth=0.8)
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i]["domain"] != rows[start]["domain"]:
+            ax.text((start + i) / 2, 1.0, rows[start]["domain"], ha="center", va="bottom", transform=ax.get_xaxis_transform())
+            start = i
+    ax.set_xlabel("request")
+    ax.set_ylabel("alpha, moving average of the last 50 requests")
+    ax.set_title(title, pad=18)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
