@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -88,7 +89,7 @@ def bench(
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
     config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify)
     summary = _run_bench(queries, config)
-    summary["command"] = " ".join(["onlinespec", *sys.argv[1:]])
+    summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(summary, indent=2))
     print_bench(summary)
@@ -159,7 +160,7 @@ def online(
             progress.update(task, advance=1, info=info)
 
         result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request))
-    result["command"] = " ".join(["onlinespec", *sys.argv[1:]])
+    result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
     label = "online" if learn else "static"
@@ -168,6 +169,28 @@ def online(
     out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s, alpha first 50 "
               f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
               f"{len(result['updates'])} updates. Report: {report}")
+
+
+@app.command()
+def report(
+    runs: Annotated[list[str], typer.Argument(help="LABEL=RESULT.json of `onlinespec online` runs over the same stream")],
+    out_dir: Annotated[Path, typer.Option(help="where report.md and alpha.png go")],
+    title: str = "Online vs static draft",
+) -> None:
+    """Compare online runs side by side: one table and one plot of alpha over requests."""
+    from onlinespec.online.report import write_report
+
+    def load():
+        results = {}
+        for item in runs:
+            label, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"{item!r}: write each run as LABEL=PATH, e.g. online=runs/online.json")
+            results[label] = json.loads(Path(path).read_text())
+        return results
+
+    path = write_report(_user_errors(load), out_dir, title, shlex.join(["onlinespec", *sys.argv[1:]]))
+    console.print(f"wrote {path}")
 
 
 @app.command()
