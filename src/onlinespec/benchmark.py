@@ -64,11 +64,13 @@ def run_bench(
     queries: Sequence[Query],
     config: BenchConfig,
     on_prompt: Callable[[int, PromptResult], None] | None = None,
+    target: LoadedModel | None = None,
 ) -> dict:
-    """Run the three methods on every query and return the summary (see :func:`summarize`)."""
+    """Run the three methods on every query and return the summary (see :func:`summarize`).
+    ``target``: the already loaded ``config.target``, to share one model across runs."""
     if not queries:
         raise ValueError("no prompts to benchmark")
-    target = load_model(config.target, config.dtype)
+    target = target or load_model(config.target, config.dtype)
     choice = make_proposer(config.draft, target, config.dtype)
     if choice.proposer is None:
         raise ValueError("benchmark needs a draft: 'none' leaves nothing to compare")

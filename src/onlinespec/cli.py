@@ -107,10 +107,13 @@ def demo(
     from onlinespec.benchmark import BenchConfig
     from onlinespec.data import packaged_prompts
 
+    from onlinespec.models import load_model
+
     queries = packaged_prompts(n_prompts, seed=1)
+    target = load_model("default")
     for draft, k in (("ngram", 4), ("target-layers:2", 2)):
         console.rule(f"draft {draft}, k = {k}")
-        summary = _run_bench(queries, BenchConfig(draft=draft, k=k, max_new_tokens=max_new_tokens))
+        summary = _run_bench(queries, BenchConfig(draft=draft, k=k, max_new_tokens=max_new_tokens), target)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"bench-{draft.replace(':', '-')}.json").write_text(json.dumps(summary, indent=2))
         print_bench(summary)
@@ -290,7 +293,7 @@ def _user_errors(fn):
         raise typer.Exit(2) from None
 
 
-def _run_bench(queries, config) -> dict:
+def _run_bench(queries, config, target=None) -> dict:
     from onlinespec.benchmark import run_bench
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
@@ -302,7 +305,7 @@ def _run_bench(queries, config) -> dict:
             info = "  ".join(f"{m} {r:.1f} tok/s" for m, r in rate.items()) + f"  alpha {result.acceptance_rate:.2f}"
             progress.update(task, advance=1, info=info)
 
-        return _user_errors(lambda: run_bench(queries, config, on_prompt))
+        return _user_errors(lambda: run_bench(queries, config, on_prompt, target))
 
 
 def print_bench(summary: dict) -> None:
