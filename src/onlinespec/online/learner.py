@@ -64,10 +64,11 @@ class OnlineLearner:
         proposer: DraftModelProposer,
         buffer: ReplayBuffer,
         registry: DraftRegistry,
-        config: LearnerConfig = LearnerConfig(),
+        config: LearnerConfig | None = None,
         background: bool = True,
     ) -> None:
-        self.proposer, self.buffer, self.registry, self.config = proposer, buffer, registry, config
+        self.proposer, self.buffer, self.registry = proposer, buffer, registry
+        self.config = config or LearnerConfig()
         self.background = background
         self.reports: list[UpdateReport] = []
         self._count = 0

@@ -107,7 +107,7 @@ def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | N
 
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     return {
-        "config": {**asdict(config)},
+        "config": asdict(config),
         "summary": figures(rows),
         "domains": {d: figures([r for r in rows if r["domain"] == d]) for d in domains},
         "updates": [asdict(r) for r in learner.reports] if learner else [],
