@@ -6,25 +6,38 @@
 ...                        SamplingParams(max_new_tokens=64))
 >>> print(out.text, out.stats.acceptance_rate, out.stats.tokens_per_s)
 
-Draft specs: ``"ngram"`` / ``"ngram:N"`` (prompt lookup, longest n-gram N, default 3),
-``"target-layers:N"`` (the target's first N layers), a Hugging Face folder or a ``.gguf`` file,
-or ``"none"`` (the target alone).
+Draft specs:
+
+- ``"hybrid"``: n-gram lookup where the text offers a match, else the packaged feature head
+  trained for the default target (``"hybrid:FOLDER"`` for another head);
+- ``"head"`` / ``"head:FOLDER"``: a feature-conditioned head alone (:mod:`onlinespec.drafts`);
+- ``"ngram"`` / ``"ngram:N"``: prompt lookup, longest n-gram N (default 3);
+- ``"target-layers:N"``: the target's first N layers; a Hugging Face folder or a ``.gguf`` file;
+- ``"none"``: the target alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.calibrate import forward_costs, padding_plan
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+from onlinespec.decoding.proposers.feature import FeatureHeadProposer
+from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
-from onlinespec.models import LoadedModel, load_draft, load_model
+from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
+from onlinespec.models import LoadedModel, check_same_tokenizer_hash, load_draft, load_model
+
+DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
 
 DEFAULT_DRAFT = "ngram"
+DEFAULT_DTYPE = "float32"
 DEFAULT_K = 4  # n-gram k=4 measured best (docs/engine-bench.md): a 5-token block runs on the fast kernel
 
 
@@ -42,26 +55,59 @@ def make_proposer(spec: str, target: LoadedModel, dtype: str | torch.dtype = "fl
     if spec == "ngram" or spec.startswith("ngram:"):
         max_ngram = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return DraftChoice(NgramProposer(max_ngram=max_ngram))
+    if spec in ("head", "hybrid") or spec.startswith(("head:", "hybrid:")):
+        kind, _, folder = spec.partition(":")
+        head = load_head(folder or DEFAULT_HEAD, target)
+        proposer = FeatureHeadProposer(head, name=f"head:{folder or 'default'}")
+        return DraftChoice(HybridProposer(proposer) if kind == "hybrid" else proposer)
+    if is_feature_head(spec):
+        return DraftChoice(FeatureHeadProposer(load_head(spec, target), name=spec))
     draft = load_draft(spec, target, dtype)
     return DraftChoice(DraftModelProposer(draft.model, name=spec), draft)
+
+
+def load_head(folder: str | Path, target: LoadedModel) -> FeatureHead:
+    """A saved feature head, checked against the target it is asked to draft for."""
+    folder = Path(folder)
+    if not is_feature_head(folder):
+        hint = " (build it with `onlinespec warmup`)" if folder == DEFAULT_HEAD else ""
+        raise FileNotFoundError(f"no feature head in {folder}{hint}")
+    info = FeatureHead.info(folder)
+    check_same_tokenizer_hash(info.get("tokenizer"), target.tokenizer, str(folder))
+    return FeatureHead.load(folder, target.model)
 
 
 def load_decoder(
     target: str | LoadedModel = "default",
     draft: str = DEFAULT_DRAFT,
     k: int = DEFAULT_K,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
     calibrate: bool = True,
+    adaptive_k: bool = True,
 ) -> SpeculativeDecoder:
     """Load the target (a spec or an already loaded model) and a draft, and pair them.
 
     ``calibrate`` times the target's forward per block width (about 3 s) and pads verification
-    blocks to the widths this machine runs fastest (:mod:`onlinespec.decoding.calibrate`).
+    blocks to the widths this machine runs fastest (:mod:`onlinespec.decoding.calibrate`);
+    ``adaptive_k`` then also sends, per round, only as many proposals as pay on that cost curve
+    (:mod:`onlinespec.decoding.adaptive`; needs ``calibrate``).
     """
     loaded = target if isinstance(target, LoadedModel) else load_model(target, dtype)
     choice = make_proposer(draft, loaded, dtype)
-    padding = verify_padding(loaded, k) if calibrate and choice.proposer is not None else None
-    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, verify_padding=padding)
+    options = engine_options(loaded, k, pad=calibrate, adaptive=adaptive_k and calibrate) if choice.proposer is not None else {}
+    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, **options)
+
+
+def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False) -> dict:
+    """``verify_padding`` and ``adaptive_k`` for :class:`SpeculativeDecoder`, from one measurement
+    of the target's forward cost per block width on this machine."""
+    if not (pad or adaptive):
+        return {}
+    costs = forward_costs(target.model, max_width=max(8, k + 4))
+    return {
+        "verify_padding": padding_plan(costs) if pad else None,
+        "adaptive_k": AdaptiveK(costs, padded=pad) if adaptive else None,
+    }
 
 
 def verify_padding(target: LoadedModel, k: int) -> dict[int, int]:

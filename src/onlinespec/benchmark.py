@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.api import DraftChoice, make_proposer, verify_padding
+from onlinespec.api import DraftChoice, engine_options, make_proposer
 from onlinespec.costmodel import estimate
 from onlinespec.data import Query
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -45,6 +45,7 @@ class BenchConfig:
     seed: int = 0
     hf_assisted: bool = True
     pad_verify: bool = True  # pad verification blocks to the widths this CPU runs fastest
+    adaptive_k: bool = False  # per round, send only the proposals the cost model says pay
 
 
 @dataclass
@@ -78,7 +79,7 @@ def run_bench(
         "target_alone": autoregressive_decoder(target.model, target.tokenizer),
         "speculative": SpeculativeDecoder(
             target.model, target.tokenizer, choice.proposer, k=config.k,
-            verify_padding=verify_padding(target, config.k) if config.pad_verify else None,
+            **engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k),
         ),
     }
     hf = HFAssisted(target, choice, config.k) if config.hf_assisted else None
@@ -225,6 +226,8 @@ def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchCo
         proposed=sum(s.proposed for s in spec_stats),
         accepted=accepted,
         engine_overhead_fraction=sum(s.overhead_seconds for s in spec_stats) / sum(s.seconds for s in spec_stats),
+        step_acceptance=_step_acceptance(spec_stats),
+        mean_proposed_per_round=sum(s.proposed for s in spec_stats) / sum(s.rounds for s in spec_stats),
     )
     if config.temperature == 0:
         out["speculative"]["greedy_identical"] = sum(bool(r.greedy_identical) for r in results)
@@ -246,6 +249,14 @@ def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchCo
         }
         out["predicted_speedup"] = cost.predicted_speedup
     return out
+
+
+def _step_acceptance(stats: list) -> list[float]:
+    """Per draft step j: accepted / judged (judged = every earlier proposal of the round was accepted)."""
+    depth = max((len(s.step_judged) for s in stats), default=0)
+    judged = [sum(s.step_judged[j] for s in stats if j < len(s.step_judged)) for j in range(depth)]
+    accepted = [sum(s.step_accepted[j] for s in stats if j < len(s.step_accepted)) for j in range(depth)]
+    return [a / n if n else 0.0 for a, n in zip(accepted, judged)]
 
 
 def _median_ratio(results: list[PromptResult], a: str, b: str) -> float:

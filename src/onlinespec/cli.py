@@ -21,7 +21,7 @@ app.add_typer(data_app, name="data")
 console = Console(stderr=True)  # progress and messages
 out = Console(width=None if sys.stdout.isatty() else 160)  # results
 
-DraftOpt = Annotated[str, typer.Option(help="'ngram[:N]', 'target-layers:N', a HF folder, a .gguf file, or 'none'")]
+DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]', 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
 TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
 KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16")]
@@ -81,19 +81,81 @@ def bench(
     seed: int = 0,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = True,
     pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = True,
+    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per round, verify only the proposals the cost model says pay")] = True,
 ) -> None:
     """Target alone vs our speculative decoding vs HF assisted generation, side by side."""
     from onlinespec.benchmark import BenchConfig
     from onlinespec.data import read_queries_jsonl
 
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
-    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify)
+    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify, adaptive_k)
     summary = _run_bench(queries, config)
     summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(summary, indent=2))
     print_bench(summary)
     console.print(f"wrote {json_out}")
+
+
+@app.command()
+def warmup(
+    out_dir: Annotated[Path, typer.Option("--out", help="folder the trained head is written to")],
+    target: TargetOpt = "default",
+    dtype: DtypeOpt = "bfloat16",
+    steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 3000,
+    batch_size: Annotated[int, typer.Option(min=1, help="start positions per step")] = 256,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
+    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
+    depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = 4,
+    vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = 8192,
+    per_domain: Annotated[int, typer.Option(min=1, help="chat and code warm-up queries each")] = 600,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens the target writes per warm-up query")] = 128,
+) -> None:
+    """Build a feature-head draft for a target: the target answers warm-up queries (batched, cached),
+    then the head is distilled on them. Stop it at any time; the same command resumes."""
+    import dataclasses
+
+    from onlinespec.drafts.warmup import HeadRecipe, WarmupData, warm_feature_head
+    from onlinespec.models import load_model
+
+    loaded = _user_errors(lambda: load_model(target, dtype))
+    recipe = _user_errors(lambda: HeadRecipe(vocab_size=vocab_size, depth=depth, steps=steps, batch_size=batch_size, lr=lr, loss=loss))
+    data = dataclasses.replace(WarmupData(), per_domain=per_domain, max_new_tokens=max_new_tokens)
+    meta = warm_feature_head(loaded, str(out_dir), recipe, data)
+    meta["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    (out_dir / "warmup.json").write_text(json.dumps(meta, indent=2))
+    for domain, fig in meta["heldout"].items():
+        console.print(f"{domain:6s} step acceptance {fig['step_acceptance']}  accepted per round (k=1..) {fig['accepted_per_round']}")
+    console.print(f"wrote {out_dir}")
+
+
+@app.command()
+def distill(
+    json_out: Annotated[Path, typer.Option("--json", help="where the held-out evaluation goes")],
+    start: Annotated[str, typer.Option(help="head folder to start from")],
+    domain: Annotated[str, typer.Option(help="chat, code or math: the domain to specialise on")],
+    signal: Annotated[str, typer.Option(help="teacher, student, mixed or fixed")] = "teacher",
+    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="also save the distilled head here")] = None,
+    target: TargetOpt = "default",
+    dtype: DtypeOpt = "bfloat16",
+    queries: Annotated[int, typer.Option(min=1, help="warm-up queries of the domain to learn from")] = 200,
+    steps: Annotated[int, typer.Option(min=1)] = 300,
+    lr: Annotated[float, typer.Option(min=0.0)] = 3e-4,
+    mix_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="mixed: share of tokens from the student")] = 0.5,
+) -> None:
+    """Distil one configuration (signal x loss) from a starting head on one domain, and report
+    held-out acceptance per domain (one cell of Table 1)."""
+    from onlinespec.drafts.specialise import DistillRun, run_distill
+    from onlinespec.models import load_model
+
+    loaded = _user_errors(lambda: load_model(target, dtype))
+    run = _user_errors(lambda: DistillRun(domain=domain, signal=signal, loss=loss, queries=queries, steps=steps, lr=lr, mix_ratio=mix_ratio))
+    result = _user_errors(lambda: run_distill(loaded, start, run, out_dir))
+    result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2))
+    console.print(json.dumps(result["heldout"], indent=1))
 
 
 @app.command()
@@ -233,13 +295,14 @@ def data_export(
     domains: Annotated[str, typer.Option(help="comma-separated")] = "chat,code,math",
     seed: int = 0,
     max_new_tokens: Annotated[Optional[int], typer.Option(min=1)] = None,
+    split_name: Annotated[Optional[str], typer.Option("--split", help="warmup, online or heldout queries only (default: any)")] = None,
 ) -> None:
     """Export packaged real prompts as a JSONL prompt file (for bench and generate)."""
     import dataclasses
 
     from onlinespec.data import packaged_prompts, write_queries_jsonl
 
-    queries = _user_errors(lambda: packaged_prompts(n, tuple(domains.split(",")), seed=seed))
+    queries = _user_errors(lambda: packaged_prompts(n, tuple(domains.split(",")), seed=seed, split=split_name))
     if max_new_tokens:
         queries = [dataclasses.replace(q, max_new_tokens=max_new_tokens) for q in queries]
     write_queries_jsonl(out, queries)

@@ -202,6 +202,16 @@ class TokenizerMismatchError(ValueError):
     """The draft proposes token ids that mean something else to the target."""
 
 
+def check_same_tokenizer_hash(expected: str | None, tokenizer, draft_name: str = "draft") -> None:
+    """A saved draft records its target's :func:`tokenizer_fingerprint`; refuse a different tokenizer."""
+    if expected is not None and expected != tokenizer_fingerprint(tokenizer):
+        raise TokenizerMismatchError(
+            f"draft {draft_name!r} was trained for a target whose tokenizer hash is {expected}, "
+            f"this target's is {tokenizer_fingerprint(tokenizer)}: train a draft for this target "
+            "(`onlinespec warmup --target ...`)"
+        )
+
+
 def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
     """Raise :class:`TokenizerMismatchError`, saying how they differ, unless the vocabularies match."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()

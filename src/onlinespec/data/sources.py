@@ -484,8 +484,11 @@ def _round_robin(groups: Iterable[list[Query]]) -> list[Query]:
     return [q for row in itertools.zip_longest(*groups) for q in row if q is not None]
 
 
-def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0) -> list[Query]:
+def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0, split: str | None = None) -> list[Query]:
     """``n`` English queries spread evenly over ``domains``, interleaved round-robin.
+
+    ``split``: draw only from that split (``warmup``, ``online`` or ``heldout``; see
+    :func:`onlinespec.data.streams.split_of`); evaluate a warmed draft on ``heldout``.
 
     Pools: chat = ShareGPT chat + chitchat; code = HumanEval + ShareGPT code; math =
     GSM-Symbolic English. Each pool is shuffled with ``random.Random(f"{seed}:{domain}")``
@@ -502,8 +505,13 @@ def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0) ->
     for i, domain in enumerate(domains):
         want = n // len(domains) + (i < n % len(domains))
         pool = pools[domain]
+        if split is not None:
+            from onlinespec.data.streams import split as split_queries
+
+            pool = split_queries(pool, split)
         if want > len(pool):
-            raise ValueError(f"asked for {want} {domain!r} queries but only {len(pool)} exist")
+            where = f" in the {split!r} split" if split else ""
+            raise ValueError(f"asked for {want} {domain!r} queries but only {len(pool)} exist{where}")
         random.Random(f"{seed}:{domain}").shuffle(pool)
         picked.append(pool[:want])
     return _round_robin(picked)

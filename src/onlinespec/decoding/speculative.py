@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from onlinespec.decoding.adaptive import AdaptiveK, trim
 from onlinespec.decoding.kvcache import truncate_cache
 from onlinespec.decoding.proposers.base import Proposal, Proposer
 from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
@@ -68,6 +69,10 @@ class RequestStats:
     draft_seconds: float = 0.0  # draft forwards
     finish_reason: str | None = None
     timings: list[RoundTiming] = field(default_factory=list, repr=False)
+    # per draft step j (index j - 1): proposals judged there (every earlier one was accepted), and
+    # how many of them the target accepted: step_accepted[j] / step_judged[j] is step j's acceptance
+    step_judged: list[int] = field(default_factory=list)
+    step_accepted: list[int] = field(default_factory=list)
 
     @property
     def target_calls(self) -> int:
@@ -135,15 +140,19 @@ class SpeculativeDecoder:
         k: int = 4,
         trace_top_k: int = 32,
         verify_padding: dict[int, int] | None = None,
+        adaptive_k: AdaptiveK | None = None,
     ) -> None:
         """``verify_padding`` maps a verification block's width to a larger width that the
-        target runs faster (see :mod:`onlinespec.decoding.calibrate`); default: no padding."""
+        target runs faster (see :mod:`onlinespec.decoding.calibrate`); default: no padding.
+        ``adaptive_k``: send, per round, only as many of the (up to ``k``) proposals as the cost
+        model says pay (:mod:`onlinespec.decoding.adaptive`); default: all of them."""
         if k < 0:
             raise ValueError(f"k (proposal length) must be >= 0, got {k}")
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.k = k if proposer is not None else 0
         self.trace_top_k = trace_top_k
         self.verify_padding = verify_padding or {}
+        self.adaptive_k = adaptive_k
         eos = target.generation_config.eos_token_id if target.generation_config else None
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -176,20 +185,8 @@ class SpeculativeDecoder:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            ids = list(prompt)
-        elif isinstance(prompt, list):
-            if not any(str(m.get("content") or "").strip() for m in prompt):
-                raise ValueError("the prompt is empty: the chat messages have no content")
-            ids = self._require_tokenizer().apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        elif isinstance(prompt, str):
-            ids = self._require_tokenizer()(prompt).input_ids
-        else:
-            raise TypeError(f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one character of text or one chat message")
-        return ids
+            return encode_prompt(None, prompt)
+        return encode_prompt(self._require_tokenizer() if isinstance(prompt, (str, list)) else None, prompt)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -214,19 +211,21 @@ class SpeculativeDecoder:
         if self.proposer is not None:
             self.proposer.begin(ids)
         want_probs = traces is not None
+        features = getattr(self.proposer, "uses_features", False)
         while stop.finish_reason is None:
             # A round emits accepted + 1 tokens: never propose past max_new_tokens.
             k = min(self.k, stop.remaining - 1)
             proposal = Proposal()
             if k > 0:
                 proposal = self.proposer.propose(ids, k, params, generator, with_probs=want_probs)
+                if self.adaptive_k is not None and len(proposal):
+                    proposal = trim(proposal, self.adaptive_k.choose(proposal, len(ids) - cached, params.greedy))
             n = len(proposal)
             block = ids[cached:] + proposal.tokens
             pad = self.verify_padding.get(len(block), len(block)) - len(block)
             tick = time.perf_counter()
-            logits = self.target(
-                input_ids=torch.tensor([block + block[-1:] * pad]), cache=cache, logits_to_keep=n + 1 + pad
-            ).logits[0, : n + 1]
+            logits, hidden = self._forward(block + block[-1:] * pad, cache, n + 1 + pad, features)
+            logits = logits[: n + 1]
             target_seconds = time.perf_counter() - tick
             stats.timings.append(RoundTiming(len(proposal), proposal.forward_seconds, target_seconds))
             stats.target_seconds += target_seconds
@@ -234,6 +233,10 @@ class SpeculativeDecoder:
             verdict = self._verify(proposal, logits, params, generator)
             if traces is not None:
                 traces.append(self._trace(len(ids), proposal, logits, verdict))
+            if self.adaptive_k is not None and n:
+                self.adaptive_k.update(proposal, verdict.n_accepted, params.greedy)
+            if features:  # the state at the last accepted position: what the next draft step reads
+                self.proposer.observe(hidden[verdict.n_accepted])
             cached = len(ids) + verdict.n_accepted
             truncate_cache(cache, cached)
             new = stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])
@@ -242,10 +245,25 @@ class SpeculativeDecoder:
             stats.proposed += n
             stats.accepted += verdict.n_accepted
             stats.rejected += verdict.n_accepted < n
+            for i in range(min(n, verdict.n_accepted + 1)):
+                if i == len(stats.step_judged):
+                    stats.step_judged.append(0)
+                    stats.step_accepted.append(0)
+                stats.step_judged[i] += 1
+                stats.step_accepted[i] += i < verdict.n_accepted
             stats.new_tokens = len(stop.generated)
             stats.seconds = time.perf_counter() - start
             stats.finish_reason = stop.finish_reason
             yield new
+
+    def _forward(self, block: list[int], cache: DynamicCache, keep: int, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits for the last ``keep`` tokens of ``block`` (and, when the proposer
+        reads them, the post-norm hidden states they came from: no extra cost)."""
+        input_ids = torch.tensor([block])
+        if not features:
+            return self.target(input_ids=input_ids, cache=cache, logits_to_keep=keep).logits[0], None
+        hidden = self.target.get_decoder()(input_ids=input_ids, cache=cache).last_hidden_state[0, -keep:]
+        return self.target.get_output_embeddings()(hidden), hidden
 
     @staticmethod
     def _verify(proposal: Proposal, logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
@@ -269,6 +287,23 @@ class SpeculativeDecoder:
         if self.tokenizer is None:
             raise ValueError("this decoder has no tokenizer: pass token ids, or build it with one")
         return self.tokenizer
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt``: ids as they are, text as it is, chat messages through the template."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = list(prompt)
+    elif isinstance(prompt, list):
+        if not any(str(m.get("content") or "").strip() for m in prompt):
+            raise ValueError("the prompt is empty: the chat messages have no content")
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt).input_ids
+    else:
+        raise TypeError(f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one character of text or one chat message")
+    return ids
 
 
 def _hold_back(text: str, stop_strings: tuple[str, ...]) -> str:

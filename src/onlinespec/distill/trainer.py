@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,10 +56,15 @@ class Trainer:
         out_dir: str | Path,
         config: TrainConfig,
         metadata: dict | None = None,
+        step_fn: Callable[[torch.nn.Module, torch.optim.Optimizer, list, DistillConfig], float] = distill_step,
     ) -> None:
+        """``records``: the training examples (distillation records by default); ``step_fn``:
+        one optimizer step on a batch of them, returning the loss (default :func:`distill_step`)."""
         if not records:
             raise ValueError("no training records")
-        self.draft, self.records, self.config = draft, list(records), config
+        self.draft, self.records, self.config = draft, records, config
+        self.step_fn = step_fn
+        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation), drawn once per epoch
         self.out_dir = Path(out_dir)
         self.metadata = metadata or {}
         self.draft.requires_grad_(True)
@@ -83,7 +88,7 @@ class Trainer:
             while self.step < last:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.config.lr_at(self.step)
-                loss = distill_step(self.draft, self.optimizer, self._batch(self.step), self.config.distill)
+                loss = self.step_fn(self.draft, self.optimizer, self._batch(self.step), self.config.distill)
                 self.losses.append(loss)
                 self.step += 1
                 bar.update(task, completed=self.step, info=f"loss {loss:.4f}")
@@ -94,8 +99,11 @@ class Trainer:
     def _batch(self, step: int) -> list[DistillRecord]:
         per_epoch = max(1, len(self.records) // self.config.batch_size)
         epoch, index = divmod(step, per_epoch)
-        order = list(range(len(self.records)))
-        random.Random(f"{self.config.seed}:{epoch}").shuffle(order)
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.records)))
+            random.Random(f"{self.config.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        order = self._order[1]
         chosen = order[index * self.config.batch_size: (index + 1) * self.config.batch_size]
         return [self.records[i] for i in chosen]
 
@@ -125,6 +133,7 @@ class Trainer:
         path = self.out_dir / "checkpoint"
         meta = json.loads((path / "meta.json").read_text())
         self.draft.load_state_dict(load_file(str(path / "draft.safetensors")), strict=False)
-        self.draft.tie_weights()
+        if hasattr(self.draft, "tie_weights"):
+            self.draft.tie_weights()
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.step, self.losses = meta["step"], meta["losses"]

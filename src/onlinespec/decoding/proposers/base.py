@@ -22,12 +22,19 @@ class Proposal:
     # temperature-1 distribution (greedy, when asked for). None: each token is a point mass.
     probs: torch.Tensor | None = None
     forward_seconds: float = 0.0  # time spent in model forwards, for the engine's accounting
+    # The draft's own probability of each proposal (its confidence), when it has one; the
+    # adaptive-k policy calibrates it against measured acceptance.
+    confidences: list[float] | None = None
+    source: str = "draft"  # which drafter made it (a hybrid proposer mixes several)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
 class Proposer(Protocol):
+    """Optionally, ``uses_features = True`` plus ``observe(feature)``: the engine then hands the
+    proposer the target's post-norm hidden state at the last verified position after each round."""
+
     name: str
 
     def begin(self, prompt_ids: list[int]) -> None:

@@ -33,7 +33,7 @@ class NgramProposer:
         generator: torch.Generator | None,
         with_probs: bool = False,
     ) -> Proposal:
-        return Proposal(tokens=lookup(np.asarray(ids), k, self.max_ngram, self.min_ngram))
+        return Proposal(tokens=lookup(np.asarray(ids), k, self.max_ngram, self.min_ngram), source="ngram")
 
 
 def lookup(ids: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -1,0 +1,134 @@
+"""Distil a feature head on a :class:`~onlinespec.distill.signal.Signal`, later draft steps included.
+
+A training example is a start position ``t``. Step 1 reads the target's feature ``f_t`` and the
+token ``x_{t+1}`` and is scored against the target's distribution at ``t + 1``; step ``j`` reads
+the head's OWN predicted feature from step ``j - 1`` (as it will when proposing) and the token
+``x_{t+j}``, and is scored at ``t + j``. Gradients flow through the whole chain, so the head learns
+to stay accurate on its own predictions, which is what makes k > 1 worth proposing. Step ``j``'s
+loss is weighted ``step_decay ** (j - 1)``: later steps matter only when the earlier ones were
+accepted.
+
+The target's top-K distribution is mapped onto the head's restricted vocabulary; the mass of
+top-K tokens outside it joins the "every other token" bucket (:mod:`onlinespec.distill.losses`),
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onlinespec.distill.losses import SparseTeacher, distill_loss
+from onlinespec.distill.signal import Signal
+from onlinespec.distill.step import DistillConfig
+from onlinespec.drafts.feature_head import FeatureHead
+
+_ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    depth: int = 4  # draft steps unrolled per example
+    step_decay: float = 0.8
+    generated_only: bool = False  # learn only where the target was writing (not the prompt)
+
+
+class ChainTask:
+    """Examples (start positions) and the loss of a batch of them, for one signal."""
+
+    def __init__(self, signal: Signal, chain: ChainConfig = ChainConfig()) -> None:
+        self.signal, self.chain = signal, chain
+        seq = signal.sequence_of()
+        self.end = signal.starts[1:][seq]  # [T]: one past the last token of each token's sequence
+        first_generated = (signal.starts[:-1] + signal.prompt_lens)[seq]
+        t = torch.arange(signal.n_tokens)
+        keep = t + 1 < self.end  # at least one step: x_{t+1} and the target's state there exist
+        if chain.generated_only:
+            keep &= t + 1 >= first_generated
+        self.starts = t[keep]
+        self.first_generated = first_generated
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def chain_outputs(self, head: FeatureHead, starts: torch.Tensor, depth: int | None = None):
+        """Yield ``(j, logits [B, V_r], positions t + j, valid [B])`` for j = 1 .. depth."""
+        depth = depth or self.chain.depth
+        s = self.signal
+        feature = s.features[starts].float()
+        for j in range(1, depth + 1):
+            pos = (starts + j).clamp_max(s.n_tokens - 1)
+            valid = starts + j < self.end[starts]
+            feature = head.step(feature, s.ids[pos])
+            yield j, head.logits(feature), pos, valid
+
+    def restricted_teacher(self, head: FeatureHead, pos: torch.Tensor) -> SparseTeacher:
+        """The target's top-K at ``pos`` on the head's vocabulary plus one absent-token column."""
+        ids = self.signal.top_ids[pos]
+        index = head.restricted_index[ids]
+        absent = index < 0
+        logprobs = self.signal.top_logprobs[pos].float().masked_fill(absent, _ABSENT)
+        return SparseTeacher(index.masked_fill(absent, head.vocab_size), logprobs)
+
+    def loss(self, head: FeatureHead, starts: torch.Tensor, config: DistillConfig) -> torch.Tensor:
+        total, weights = 0.0, 0.0
+        for j, logits, pos, valid in self.chain_outputs(head, starts):
+            if not bool(valid.any()):
+                break
+            extended = torch.cat([logits, logits.new_full((len(logits), 1), _ABSENT)], -1)
+            teacher = self.restricted_teacher(head, pos)
+            weight = self.chain.step_decay ** (j - 1)
+            total = total + weight * distill_loss(config.loss, extended, teacher, mask=valid, temperature=config.temperature, beta=config.beta)
+            weights += weight
+        return total / weights
+
+    def step(self, head: FeatureHead, optimizer: torch.optim.Optimizer, batch: list[int], config: DistillConfig) -> float:
+        head.train()
+        loss = self.loss(head, torch.tensor(batch), config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], config.max_grad_norm)
+        optimizer.step()
+        head.eval()
+        return float(loss.detach())
+
+
+@torch.inference_mode()
+def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = 4, batch: int = 4096) -> dict:
+    """Greedy acceptance on ``signal``'s generated text (what serving sees), per domain and overall.
+
+    ``step_acceptance[j-1]``: how often step j's argmax is the target's argmax, given steps
+    1..j-1 were (the chance a round's j-th proposal is accepted once the earlier ones were);
+    ``accepted_per_round[k-1]``: the mean number of the first k proposals accepted.
+    """
+    task = ChainTask(signal, ChainConfig(depth=depth, generated_only=True))
+    out = {}
+    domains = sorted(set(signal.domains))
+    seq_domain = [signal.domains[i] for i in signal.sequence_of()[task.starts].tolist()]
+    for name in ["all", *domains]:
+        chosen = task.starts if name == "all" else task.starts[torch.tensor([d == name for d in seq_domain], dtype=torch.bool)]
+        if len(chosen) == 0:
+            continue
+        correct_all, valid_all = [], []
+        for first in range(0, len(chosen), batch):
+            starts = chosen[first: first + batch]
+            rows_correct, rows_valid = [], []
+            for j, logits, pos, valid in task.chain_outputs(head, starts, depth):
+                predicted = head.vocab_ids[logits.argmax(-1)]
+                rows_correct.append(predicted == signal.top_ids[pos, 0])
+                rows_valid.append(valid)
+            correct_all.append(torch.stack(rows_correct, 1))
+            valid_all.append(torch.stack(rows_valid, 1))
+        correct, valid = torch.cat(correct_all), torch.cat(valid_all)
+        # a chain is judged at step j only if steps < j were all accepted and t + j exists
+        prefix = torch.cumprod((correct & valid).int(), 1).bool()
+        judged = torch.cat([valid[:, :1], prefix[:, :-1] & valid[:, 1:]], 1)
+        accepted = prefix & judged
+        step_acc = (accepted.sum(0).float() / judged.sum(0).clamp_min(1)).tolist()
+        out[name] = {
+            "positions": int(len(chosen)),
+            "step_acceptance": [round(a, 4) for a in step_acc],
+            "accepted_per_round": [round(float(accepted[:, :k].sum(1).float().mean()), 4) for k in range(1, depth + 1)],
+        }
+    return out

@@ -1,0 +1,166 @@
+"""The feature-conditioned head as a proposer: lossless (greedy and sampled), hybrid with n-gram
+lookup, adaptive k, save / load, and the restricted-vocabulary teacher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.proposers.base import Proposal
+from onlinespec.decoding.proposers.feature import FeatureHeadProposer
+from onlinespec.decoding.proposers.hybrid import HybridProposer
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.speculative import SpeculativeDecoder
+from onlinespec.distill.losses import bucket_log_probs
+from onlinespec.distill.step import DistillConfig
+from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.drafts.train import ChainTask
+
+from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, empirical, exact_distribution, fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the tiny target's vocabulary is 0..5; the head may propose only 4 of its tokens
+VOCAB = torch.tensor([0, 1, 2, 4])
+COSTS = [1.0, 1.1, 1.3, 1.4]  # a made-up verify-cost curve for the adaptive policy
+
+
+def random_head(target, seed: int = 3) -> FeatureHead:
+    torch.manual_seed(seed)
+    head = FeatureHead.for_target(target, VOCAB, intermediate_size=8, num_blocks=1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return head.eval()
+
+
+def decoders(target):
+    head = random_head(target)
+    return {
+        "head": SpeculativeDecoder(target, None, FeatureHeadProposer(head), k=3),
+        "hybrid": SpeculativeDecoder(target, None, HybridProposer(FeatureHeadProposer(head), min_ngram=1), k=3),
+        "hybrid+adaptive": SpeculativeDecoder(
+            target, None, HybridProposer(FeatureHeadProposer(head), min_ngram=1), k=3, adaptive_k=AdaptiveK(COSTS)
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["head", "hybrid", "hybrid+adaptive"])
+def test_greedy_output_is_the_targets(tiny_target, name):
+    plain = SpeculativeDecoder(tiny_target, None)
+    decoder = decoders(tiny_target)[name]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    proposed = 0
+    for prompt in ([1, 4, 2], [5, 5, 0, 3], [2], [1, 4, 2, 1, 4, 2, 1]):
+        out = decoder.generate(prompt, params)
+        assert out.token_ids == plain.generate(prompt, params).token_ids
+        proposed += out.stats.proposed
+    assert proposed > 0
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)], ids=["t1.0", "warped"])
+def test_sampled_output_follows_the_targets_distribution(tiny_target, sampling, chi_square):
+    """Restricted-vocabulary proposals (probability 0 outside V_r), n-gram proposals and the
+    adaptive length together: 3-token continuations ~ target alone. N = 6000, seeds 10000..,
+    p-value > 1e-3."""
+    prompt = [1, 4, 2, 1, 4]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, **sampling)
+    exact = exact_distribution(tiny_target, prompt, params)
+    decoder = decoders(tiny_target)["hybrid+adaptive"]
+    decoder.adaptive_k.prior_weight = 1e9  # keep k fixed near the prior: every path gets exercised
+    counts, totals = empirical(decoder, prompt, 6000, **sampling)
+    assert totals["accepted"] > 600 and totals["rejected"] > 600, totals
+    assert sum(c for x, c in counts.items() if exact.get(x, 0.0) == 0) == 0
+    p_value, stat, df = fit(counts, exact, chi_square)
+    assert p_value > PASS_P, (p_value, stat, df)
+
+
+def test_hybrid_prefers_a_copy_and_falls_back_to_the_head(tiny_target):
+    proposer = HybridProposer(FeatureHeadProposer(random_head(tiny_target)), min_ngram=2)
+    params = SamplingParams()
+    proposer.begin([1, 2, 3])
+    proposer.observe(torch.randn(tiny_target.config.hidden_size))
+    copied = proposer.propose([1, 2, 3, 1, 2], 2, params, None)
+    assert copied.source == "ngram" and copied.tokens == [3, 1]
+    drafted = proposer.propose([5, 4, 3], 2, params, None)
+    assert drafted.source == "head" and len(drafted) == 2 and set(drafted.tokens) <= set(VOCAB.tolist())
+
+
+def test_adaptive_k_sends_more_when_acceptance_is_high():
+    policy = AdaptiveK([1.0, 1.05, 1.1, 1.5, 1.6], prior_weight=1.0)
+    sure = Proposal([1, 2, 3, 4], confidences=[0.95, 0.9, 0.9, 0.9], source="head")
+    unsure = Proposal([1, 2, 3, 4], confidences=[0.05, 0.05, 0.05, 0.05], source="head")
+    assert policy.choose(sure, 1, True) >= 2
+    assert policy.choose(unsure, 1, True) == 0
+    # measured acceptance overrides an over-confident draft
+    for _ in range(200):
+        policy.update(sure, 0, True)
+    assert policy.choose(sure, 1, True) == 0
+    # a sampled round never looks at its own confidences: same choice whatever they are
+    assert policy.choose(sure, 1, False) == policy.choose(unsure, 1, False)
+
+
+def test_save_and_load_round_trip(tiny_target, tiny_llama, tmp_path):
+    head = random_head(tiny_target)
+    head.save(tmp_path / "head", {"note": "test"})
+    loaded = FeatureHead.load(tmp_path / "head", tiny_target)
+    feature, token = torch.randn(4, tiny_target.config.hidden_size), torch.tensor([0, 1, 2, 3])
+    assert torch.equal(loaded.logits(loaded.step(feature, token)), head.logits(head.step(feature, token)))
+    assert FeatureHead.info(tmp_path / "head")["note"] == "test"
+    other = tiny_llama(0, vocab_size=9)
+    with pytest.raises(ValueError, match="vocabulary"):
+        FeatureHead.load(tmp_path / "head", other)
+
+
+def test_saving_over_a_head_never_leaves_a_half_written_one(tiny_target, tmp_path, monkeypatch):
+    head = random_head(tiny_target)
+    head.save(tmp_path / "head")
+    before = (tmp_path / "head" / "feature_head.safetensors").read_bytes()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("onlinespec.drafts.feature_head.save_file", crash)
+    with pytest.raises(RuntimeError):
+        random_head(tiny_target, seed=9).save(tmp_path / "head")
+    assert (tmp_path / "head" / "feature_head.safetensors").read_bytes() == before
+
+
+def _toy_signal(target, n_seq: int = 6, length: int = 12):
+    from onlinespec.distill.signal import Signal
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 6, (n_seq * length,))
+    with torch.inference_mode():
+        hidden = torch.cat([target.get_decoder()(input_ids=ids[i * length:(i + 1) * length][None]).last_hidden_state[0] for i in range(n_seq)])
+        top = torch.log_softmax(target.get_output_embeddings()(hidden), -1).topk(3, -1)
+    starts = torch.arange(0, n_seq * length + 1, length)
+    return Signal(ids, hidden.half(), top.indices, top.values, starts, torch.full((n_seq,), 4), ["a"] * n_seq, [str(i) for i in range(n_seq)])
+
+
+def test_teacher_mass_outside_the_restricted_vocabulary_goes_to_the_rest_bucket(tiny_target):
+    signal = _toy_signal(tiny_target)
+    head = random_head(tiny_target)
+    task = ChainTask(signal)
+    pos = torch.arange(20)
+    teacher = task.restricted_teacher(head, pos)
+    logits = torch.cat([torch.randn(20, len(VOCAB)), torch.full((20, 1), -1e4)], -1)
+    log_p, _ = bucket_log_probs(logits, teacher)
+    outside = ~torch.isin(signal.top_ids[pos], VOCAB)
+    top_p = signal.top_logprobs[pos].exp()
+    expected_rest = 1 - (top_p * ~outside).sum(-1)
+    assert torch.allclose(log_p[:, -1].exp(), expected_rest, atol=1e-5)
+    assert torch.allclose(log_p.exp().sum(-1), torch.ones(20), atol=1e-5)
+
+
+def test_chain_training_lowers_the_loss(tiny_target):
+    signal = _toy_signal(tiny_target)
+    head = random_head(tiny_target)
+    task = ChainTask(signal)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    batch = task.starts.tolist()
+    losses = [task.step(head, optimizer, batch, DistillConfig()) for _ in range(60)]
+    assert losses[-1] < 0.7 * losses[0]
+    # every start position has at least one step, and no step crosses a sequence end
+    assert bool((task.starts + 1 < task.end[task.starts]).all())
