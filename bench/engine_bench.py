@@ -92,11 +92,12 @@ def _section(s: dict) -> list[str]:
     ]
     for name, fig in [("all", s), *s["domains"].items()]:
         sp = fig["speculative"]
+        hf = fig.get("hf_assisted")
         lines.append(
             f"| {name} | {fig['n_prompts']} | {fig['target_alone']['tokens_per_s']:.1f} | {sp['tokens_per_s']:.1f} | "
-            f"{fig['hf_assisted']['tokens_per_s']:.1f} | {sp['acceptance_rate']:.3f} | {sp['mean_accepted_length']:.2f} | "
-            f"{fig['speedup_vs_target']:.2f}x | {fig['median_speedup_vs_target']:.2f}x | {fig['speedup_vs_hf']:.2f}x | "
-            f"{fig['median_speedup_vs_hf']:.2f}x | {fig.get('predicted_speedup', float('nan')):.2f}x | "
+            f"{_num(hf and hf['tokens_per_s'], '.1f')} | {sp['acceptance_rate']:.3f} | {sp['mean_accepted_length']:.2f} | "
+            f"{fig['speedup_vs_target']:.2f}x | {fig['median_speedup_vs_target']:.2f}x | {_num(fig.get('speedup_vs_hf'), '.2f', 'x')} | "
+            f"{_num(fig.get('median_speedup_vs_hf'), '.2f', 'x')} | {fig.get('predicted_speedup', float('nan')):.2f}x | "
             f"{sp.get('greedy_identical', '-')}/{fig['n_prompts']} |"
         )
     if cost:
@@ -116,6 +117,10 @@ def _section(s: dict) -> list[str]:
     return lines
 
 
+def _num(value, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
 def _plot(summaries: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4), squeeze=False)
     methods = [("target_alone", "target alone"), ("speculative", "onlinespec"), ("hf_assisted", "HF assisted")]
@@ -124,6 +129,8 @@ def _plot(summaries: list[dict], path: Path) -> None:
         figs = [s, *s["domains"].values()]
         width = 0.27
         for j, (key, label) in enumerate(methods):
+            if key not in s:
+                continue
             ax.bar([i + (j - 1) * width for i in range(len(domains))], [f[key]["tokens_per_s"] for f in figs], width, label=label)
         ax.set_xticks(range(len(domains)), domains)
         ax.set_title(f"draft {s['draft']}, k={s['k']}")

@@ -43,6 +43,9 @@ class RoundTrace:
     target_top_logprobs: torch.Tensor  # [len(proposals) + 1, K] float32, log-softmax at temperature 1
     n_accepted: int
     next_token: int  # the target's correction (n_accepted < len(proposals)) or bonus token
+    # [n_accepted + 1, H] float16: the target's post-norm hidden state at the rows that were kept
+    # (positions position - 1 .. position + n_accepted - 1), when the proposer reads features
+    target_features: torch.Tensor | None = None
 
     @property
     def accepted(self) -> list[bool]:
@@ -232,7 +235,7 @@ class SpeculativeDecoder:
             stats.draft_seconds += proposal.forward_seconds
             verdict = self._verify(proposal, logits, params, generator)
             if traces is not None:
-                traces.append(self._trace(len(ids), proposal, logits, verdict))
+                traces.append(self._trace(len(ids), proposal, logits, verdict, hidden))
             if self.adaptive_k is not None and n:
                 self.adaptive_k.update(proposal, verdict.n_accepted, params.greedy)
             if features:  # the state at the last accepted position: what the next draft step reads
@@ -271,13 +274,14 @@ class SpeculativeDecoder:
             return verify_greedy(proposal.tokens, logits)
         return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, params), generator)
 
-    def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict) -> RoundTrace:
+    def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict, hidden: torch.Tensor | None) -> RoundTrace:
         top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
         draft_probs = None
         if proposal.probs is not None:
             draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens)].tolist()
+        kept = hidden[: verdict.n_accepted + 1].to(torch.float16) if hidden is not None else None
         return RoundTrace(
-            position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token
+            position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token, kept
         )
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:

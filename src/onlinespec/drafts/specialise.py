@@ -60,8 +60,8 @@ class DistillRun:
 
 def domain_queries(domain: str, n: int, offset: int = 0) -> list[Query]:
     """The domain's warm-up queries (maths: English plus the other languages' warm-up templates)."""
-    greedy, _ = warmup_queries()
-    pool = [q for q in greedy if q.domain == domain or (domain == "math" and q.domain.startswith("math"))]
+    greedy, _, extra = warmup_queries()
+    pool = [q for q in greedy + extra if q.domain == domain or (domain == "math" and q.domain.startswith("math"))]
     random.Random(f"specialise:{domain}").shuffle(pool)
     picked = pool[offset: offset + n]
     if not picked:

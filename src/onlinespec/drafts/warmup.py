@@ -21,6 +21,8 @@ from onlinespec.models import LoadedModel
 @dataclass(frozen=True)
 class WarmupData:
     per_domain: int = 600  # chat and code queries each
+    extra_chat: int = 1200  # more chat (the hardest domain to draft), built as a separate cached part
+    extra_code: int = 374  # the rest of the code warm-up pool
     math_languages: tuple[str, ...] = ("deu", "fra", "spa")
     math_samples: int = 3  # extra sampled continuations per English maths problem
     math_temperature: float = 0.7
@@ -30,25 +32,28 @@ class WarmupData:
     seed: int = 0
 
 
-def warmup_queries(data: WarmupData = WarmupData()) -> tuple[list[Query], list[Query]]:
-    """(queries decoded greedily, maths queries decoded by sampling), all from the warm-up split."""
+def warmup_queries(data: WarmupData = WarmupData()) -> tuple[list[Query], list[Query], list[Query]]:
+    """(queries decoded greedily, maths queries decoded by sampling, extra chat and code queries
+    decoded greedily), all from the warm-up split."""
     pools = english_pools(["chat", "code", "math"])
     greedy: list[Query] = []
-    for domain in ("chat", "code"):
+    extra: list[Query] = []
+    for domain, more in (("chat", data.extra_chat), ("code", data.extra_code)):
         pool = split(pools[domain], "warmup")
         random.Random(f"{data.seed}:{domain}").shuffle(pool)
         greedy += pool[: data.per_domain]
+        extra += pool[data.per_domain: data.per_domain + more]
     math = split(pools["math"], "warmup")
     greedy += math
     for lang in data.math_languages:
         greedy += [q for q in load_gsm_symbolic(lang) if split_of(q.id.replace(f"/{lang}/", "/eng/")) == "warmup"]
     sampled = [replace(q, id=f"{q.id}#sample{i}") for i in range(data.math_samples) for q in math]
-    return greedy, sampled
+    return greedy, sampled, extra
 
 
 def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress: bool = True) -> Signal:
     """The teacher-sampled warm-up signal (built once per target and recipe, then read from the cache)."""
-    greedy, sampled = warmup_queries(data)
+    greedy, sampled, extra = warmup_queries(data)
     base = SignalConfig(
         source="teacher", max_new_tokens=data.max_new_tokens, max_prompt_tokens=data.max_prompt_tokens,
         batch_size=data.batch_size, seed=data.seed,
@@ -58,6 +63,8 @@ def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress
     if sampled:
         hot = replace(base, temperature=data.math_temperature)
         parts.append(build_signal(target.model, target.tokenizer, sampled, hot, cache_as=key, progress=progress))
+    if extra:
+        parts.append(build_signal(target.model, target.tokenizer, extra, base, cache_as=key, progress=progress))
     return Signal.concat(parts)
 
 

@@ -1,0 +1,97 @@
+"""Choose the default proposer, dtype and k by measured end-to-end speed (issue 3).
+
+Runs `onlinespec bench` on 60 HELD-OUT real prompts (20 chat, 20 code, 20 math; none of them was
+seen by the warm-up) for each candidate, one after the other on a quiet machine, and writes
+docs/default-bench.md and docs/default-bench.png. Each candidate's run has the target alone and
+(where asked) Hugging Face assisted generation interleaved prompt by prompt in the same process.
+
+    python bench/default_bench.py                 # all candidates (~35 min on 2 cores)
+    python bench/default_bench.py --report-only   # rewrite docs/ from runs/default-bench/*.json
+
+Candidates are `draft,k,dtype,options` with options `adaptive` (per-round k from the cost
+model) and `hf` (also run HF assisted generation; for heads that is HF prompt lookup, the
+nearest thing HF has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import _plot, _section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "default-bench"
+DOCS = ROOT / "docs"
+CANDIDATES = [
+    "hybrid,4,bfloat16,adaptive+hf",
+    "head,4,bfloat16,adaptive",
+    "hybrid,4,bfloat16,",
+    "hybrid,4,float32,adaptive",
+    "ngram,4,bfloat16,",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--candidates", nargs="+", default=CANDIDATES)
+    parser.add_argument("--n", type=int, default=60)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    RUNS.mkdir(parents=True, exist_ok=True)
+    prompts = RUNS / "heldout-prompts.jsonl"
+    cli = [sys.executable, "-m", "onlinespec.cli"]
+    if not args.report_only:
+        subprocess.run([*cli, "data", "export", "--n", str(args.n), "--out", str(prompts), "--split", "heldout"], check=True)
+    summaries = []
+    for candidate in args.candidates:
+        draft, k, dtype, options = candidate.split(",")
+        out = RUNS / f"{draft.replace(':', '-').replace('/', '_')}-k{k}-{dtype}-{options.replace('+', '-') or 'fixed'}.json"
+        if not args.report_only:
+            command = [*cli, "bench", "--prompts", str(prompts), "--json", str(out), "--draft", draft, "--k", k,
+                       "--dtype", dtype, "--max-new-tokens", str(args.max_new_tokens),
+                       "--adaptive-k" if "adaptive" in options else "--fixed-k", "--hf" if "hf" in options else "--no-hf"]
+            subprocess.run(command, check=True)
+        summaries.append(json.loads(out.read_text()))
+    write_report(summaries, args)
+
+
+def write_report(summaries: list[dict], args) -> None:
+    machine = summaries[0]["machine"]
+    best = max(summaries, key=lambda s: s["speedup_vs_target"])
+    lines = [
+        "# Choosing the default draft: measured end-to-end speed on held-out prompts",
+        "",
+        f"Machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads). Date: {machine['date']}.",
+        f"{summaries[0]['n_prompts']} held-out real prompts (the `heldout` split: never seen in warm-up), greedy, "
+        f"{args.max_new_tokens} new tokens at most. Reproduce: `python bench/default_bench.py`.",
+        "Every speed ratio is measured against the target alone IN THE SAME RUN and dtype.",
+        "",
+        "| candidate | dtype | ours / target | median | alpha | tau | step acceptance (1..k) | greedy identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        sp, cfg = s["speculative"], s["config"]
+        name = f"{cfg['draft']} k={cfg['k']}" + (" adaptive" if cfg.get("adaptive_k") else "")
+        steps = ", ".join(f"{a:.2f}" for a in sp.get("step_acceptance", []))
+        lines.append(
+            f"| {name} | {cfg['dtype']} | {s['speedup_vs_target']:.2f}x | {s['median_speedup_vs_target']:.2f}x | "
+            f"{sp['acceptance_rate']:.3f} | {sp['mean_accepted_length']:.2f} | {steps} | {sp.get('greedy_identical')}/{s['n_prompts']} |"
+        )
+    lines += ["", f"Fastest: `{best['config']['draft']}` k={best['config']['k']} {best['config']['dtype']} "
+              f"({best['speedup_vs_target']:.2f}x the target alone).", ""]
+    for s in summaries:
+        lines += _section(s)
+    (DOCS / "default-bench.md").write_text("\n".join(lines) + "\n")
+    _plot(summaries, DOCS / "default-bench.png")
+    print("\n".join(lines[:12 + len(summaries)]))
+
+
+if __name__ == "__main__":
+    main()
