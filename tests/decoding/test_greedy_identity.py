@@ -9,7 +9,7 @@ other; the test checks that every divergence is such a near-tie.
 import pytest
 import torch
 
-from onlinespec.api import make_proposer
+from onlinespec.api import engine_options, make_proposer
 from onlinespec.benchmark import NEAR_TIE, divergence_gap
 from onlinespec.data import packaged_prompts
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -48,9 +48,12 @@ def test_target_alone_matches_hf_generate(target, prompts, reference):
         assert hf[0, len(ids):].tolist() == ours
 
 
-@pytest.mark.parametrize("draft, k", [("ngram", 4), ("target-layers:4", 3)])
-def test_greedy_speculative_is_identical(target, prompts, reference, draft, k):
-    decoder = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(draft, target).proposer, k=k)
+@pytest.mark.parametrize("draft, k, adaptive", [("ngram", 4, False), ("target-layers:4", 3, False), ("hybrid", 4, True), ("head", 3, False)])
+def test_greedy_speculative_is_identical(target, prompts, reference, draft, k, adaptive):
+    """``hybrid`` / ``head``: the packaged feature head (features read from the verification pass),
+    with the adaptive-k policy on the measured verify-cost curve for ``hybrid``."""
+    options = engine_options(target, k, pad=True, adaptive=True) if adaptive else {}
+    decoder = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(draft, target).proposer, k=k, **options)
     accepted = 0
     for prompt, expected in zip(prompts, reference):
         out = decoder.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))

@@ -187,9 +187,8 @@ class SpeculativeDecoder:
             emitted = max(emitted, text, key=len)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return encode_prompt(None, prompt)
-        return encode_prompt(self._require_tokenizer() if isinstance(prompt, (str, list)) else None, prompt)
+        needs_tokenizer = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
+        return encode_prompt(self._require_tokenizer() if needs_tokenizer else None, prompt)
 
     # ---- the loop ---------------------------------------------------------------------------
 

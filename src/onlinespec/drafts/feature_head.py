@@ -108,6 +108,13 @@ class FeatureHead(nn.Module):
         """Logits over the restricted vocabulary ``[..., V_r]`` (index with ``vocab_ids``)."""
         return feature @ self.out_rows.T
 
+    def clone(self) -> "FeatureHead":
+        """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
+        import copy
+
+        shared = (self.embedding, self.out_rows, self.restricted_index, self.vocab_ids)
+        return copy.deepcopy(self, {id(t): t for t in shared})
+
     def tie_weights(self) -> None:  # the Trainer calls this after loading a checkpoint
         pass
 

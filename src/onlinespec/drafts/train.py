@@ -132,3 +132,64 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = 4, batch: int
             "accepted_per_round": [round(float(accepted[:, :k].sum(1).float().mean()), 4) for k in range(1, depth + 1)],
         }
     return out
+
+
+def records_to_signal(records) -> tuple[Signal, torch.Tensor]:
+    """Online records of a feature head (:class:`~onlinespec.online.recorder.DistillRecord` with
+    features) as a :class:`Signal`, and a [T] mask of its rejection rows.
+
+    A record's positions are consecutive verified positions ``t``; row ``t - 1`` of the signal
+    holds the token at ``t - 1``, the target's state there and its distribution for ``t``.
+    """
+    ids, feats, top_ids, top_lp, rejected, lengths = [], [], [], [], [], []
+    for r in records:
+        if r.features is None:
+            raise ValueError("this record has no target features: it was recorded for a draft LM, not a feature head")
+        first = r.positions[0]
+        if r.positions != list(range(first, first + len(r.positions))):
+            raise ValueError("a feature head's record must hold consecutive positions (every verified row)")
+        ids.append(torch.tensor(r.token_ids[first - 1: first - 1 + len(r.positions)]))
+        feats.append(r.features)
+        top_ids.append(r.top_ids)
+        top_lp.append(r.top_logprobs)
+        rejected.append(torch.tensor(r.rejected, dtype=torch.bool))
+        lengths.append(len(r.positions))
+    lengths_t = torch.tensor(lengths)
+    signal = Signal(
+        torch.cat(ids), torch.cat(feats), torch.cat(top_ids), torch.cat(top_lp).float(),
+        torch.cat([torch.zeros(1, dtype=torch.long), lengths_t.cumsum(0)]), torch.ones(len(records), dtype=torch.long),
+        [r.domain for r in records], [r.request_id for r in records],
+    )
+    return signal, torch.cat(rejected)
+
+
+def chain_task(records, position_policy: str, chain: ChainConfig = ChainConfig()) -> ChainTask:
+    """A chain task on online records; ``rejected`` keeps only the chains whose first step is a
+    rejection row (where the draft was wrong: the paper's policy), ``verified`` keeps them all."""
+    signal, rejected = records_to_signal(records)
+    task = ChainTask(signal, chain)
+    if position_policy == "rejected":
+        task.starts = task.starts[rejected[task.starts + 1]]
+    return task
+
+
+@torch.inference_mode()
+def head_metrics(head: FeatureHead, records, config: DistillConfig) -> dict[str, float]:
+    """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
+    (over the stored top-K plus the tail bucket): the gate's figures, as for draft LMs."""
+    from onlinespec.distill.losses import bucket_log_probs
+
+    signal, _ = records_to_signal(records)
+    task = ChainTask(signal, ChainConfig(depth=1))
+    if len(task) == 0:
+        return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0}
+    _, logits, pos, _ = next(task.chain_outputs(head, task.starts, depth=1))
+    extended = torch.cat([logits, logits.new_full((len(logits), 1), _ABSENT)], -1)
+    teacher = task.restricted_teacher(head, pos)
+    loss = distill_loss(config.loss, extended, teacher, temperature=config.temperature, beta=config.beta)
+    log_p, log_q = bucket_log_probs(extended, teacher)
+    return {
+        "loss": float(loss),
+        "agreement": float((head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]).float().mean()),
+        "alpha": float(torch.minimum(log_p.exp(), log_q.exp()).sum(-1).mean()),
+    }

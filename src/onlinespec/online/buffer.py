@@ -150,7 +150,8 @@ class ReplayBuffer:
 
 
 def _nbytes(record: DistillRecord) -> int:
-    return 8 * (len(record.token_ids) + len(record.positions)) + record.top_ids.nbytes + record.top_logprobs.nbytes
+    size = 8 * (len(record.token_ids) + len(record.positions)) + record.top_ids.nbytes + record.top_logprobs.nbytes
+    return size + (record.features.nbytes + len(record.positions) if record.features is not None else 0)
 
 
 def _atomic_save(record: DistillRecord, path: Path) -> None:
@@ -160,6 +161,9 @@ def _atomic_save(record: DistillRecord, path: Path) -> None:
         "top_ids": record.top_ids.contiguous(),
         "top_logprobs": record.top_logprobs.contiguous(),
     }
+    if record.features is not None:
+        tensors["features"] = record.features.contiguous()
+        tensors["rejected"] = torch.tensor(record.rejected, dtype=torch.bool)
     meta = {"prompt_len": str(record.prompt_len), "domain": record.domain, "request_id": record.request_id}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -180,4 +184,6 @@ def _load_record(path: Path) -> DistillRecord:
         int(meta["prompt_len"]),
         meta["domain"],
         meta["request_id"],
+        tensors.get("features"),
+        tensors["rejected"].tolist() if "rejected" in tensors else None,
     )

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
 from onlinespec.online.buffer import ReplayBuffer
@@ -38,6 +40,7 @@ class LearnerConfig:
     gate_fraction: float = 0.2  # the newest share of the buffer, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
+    chain_depth: int = 4  # feature heads: draft steps unrolled in training
 
     def __post_init__(self) -> None:
         if self.interval_unit not in UNITS:
@@ -109,6 +112,23 @@ class OnlineLearner:
 
     # ---- the update (learner thread) ------------------------------------------------------------
 
+    def _objective(self, train: list, held_out: list):
+        """(training examples, step(candidate, optimizer, batch), evaluate(model)) for this draft:
+        records for a draft LM; chain start positions for a feature head."""
+        config = self.config.distill
+        if isinstance(self.proposer.model, FeatureHead):
+            task = chain_task(train, self.config.position_policy, ChainConfig(depth=self.config.chain_depth))
+            return (
+                task.starts.tolist(),
+                lambda model, optimizer, batch: task.step(model, optimizer, batch, config),
+                lambda model: head_metrics(model, held_out, config),
+            )
+        return (
+            train,
+            lambda model, optimizer, batch: distill_step(model, optimizer, batch, config),
+            lambda model: evaluate(model, held_out, config),
+        )
+
     def _update(self) -> None:
         torch.set_num_threads(self.config.threads)
         start = time.perf_counter()
@@ -120,16 +140,20 @@ class OnlineLearner:
         held_out_n = max(1, int(len(records) * self.config.gate_fraction))
         train, held_out = records[:-held_out_n], records[-held_out_n:]
         serving, parent = self.proposer.model, self.proposer.version
-        candidate = copy.deepcopy(serving)  # private: the serving draft is never touched
-        before = evaluate(serving, held_out, self.config.distill)
-        optimizer = torch.optim.AdamW([p for p in candidate.parameters()], lr=self.config.lr)
+        # private: the serving draft is never touched (a head shares only its frozen target tensors)
+        candidate = serving.clone() if isinstance(serving, FeatureHead) else copy.deepcopy(serving)
+        examples, step, evaluate_fn = self._objective(train, held_out)
+        if not examples:
+            return
+        before = evaluate_fn(serving)
+        optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
         candidate.requires_grad_(True)
         generator = torch.Generator().manual_seed(len(self.reports))
         for _ in range(self.config.steps_per_update):
-            pick = torch.randint(len(train), (min(self.config.batch_size, len(train)),), generator=generator).tolist()
-            distill_step(candidate, optimizer, [train[i] for i in pick], self.config.distill)
+            pick = torch.randint(len(examples), (min(self.config.batch_size, len(examples)),), generator=generator).tolist()
+            step(candidate, optimizer, [examples[i] for i in pick])
         candidate.requires_grad_(False).eval()
-        after = evaluate(candidate, held_out, self.config.distill)
+        after = evaluate_fn(candidate)
         version = None
         if after["alpha"] >= before["alpha"] - self.config.gate_margin:
             meta = {

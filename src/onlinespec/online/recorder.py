@@ -15,6 +15,11 @@ Which rows are kept:
   tokens, so they are never kept.
 Positions at or past the end of the final output (cut by EOS, a stop string or max_new_tokens)
 are dropped too.
+
+Feature heads (:mod:`onlinespec.drafts.feature_head`) learn along chains of consecutive
+positions, so when the trace carries the target's features the record keeps EVERY verified row
+(with the feature at ``t - 1`` of each and a flag for the rejection rows); the position policy
+is then applied by the learner when it picks the chains' starting points.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class DistillRecord:
     prompt_len: int
     domain: str = "default"
     request_id: str = ""
+    # feature heads only: [len(positions), H] float16, the target's post-norm state at t - 1
+    features: torch.Tensor | None = None
+    rejected: list[bool] | None = None  # per position: the row of a round's first rejection
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -53,10 +61,11 @@ def record_from_generation(
     if not generation.trace and generation.token_ids:
         raise ValueError("this generation carries no verification trace: decode with trace=True")
     tokens = generation.prompt_ids + generation.token_ids
-    positions, ids, logprobs = [], [], []
+    with_features = bool(generation.trace) and generation.trace[0].target_features is not None
+    positions, ids, logprobs, features, rejected = [], [], [], [], []
     for round_ in generation.trace:
         n, proposed = round_.n_accepted, len(round_.proposals)
-        if policy == "rejected":
+        if policy == "rejected" and not with_features:
             rows = [n] if n < proposed and proposed > 0 else []
         else:
             rows = range(n + 1)  # accepted rows, then the correction or bonus row
@@ -66,8 +75,12 @@ def record_from_generation(
                 positions.append(t)
                 ids.append(round_.target_top_ids[j])
                 logprobs.append(round_.target_top_logprobs[j])
+                rejected.append(j == n and n < proposed)
+                if with_features:
+                    features.append(round_.target_features[j])
     if not positions:
         return None
     return DistillRecord(
-        tokens, positions, torch.stack(ids), torch.stack(logprobs).float(), len(generation.prompt_ids), domain, request_id
+        tokens, positions, torch.stack(ids), torch.stack(logprobs).float(), len(generation.prompt_ids), domain, request_id,
+        torch.stack(features) if with_features else None, rejected if with_features else None,
     )

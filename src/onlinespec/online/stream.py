@@ -16,7 +16,6 @@ from pathlib import Path
 
 from onlinespec.api import make_proposer
 from onlinespec.data import Query
-from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
@@ -50,8 +49,8 @@ def run_stream(
     out_dir.mkdir(parents=True, exist_ok=True)
     target = load_model(config.target, config.dtype)
     proposer = make_proposer(config.draft, target, config.dtype).proposer
-    if not isinstance(proposer, DraftModelProposer):
-        raise ValueError(f"online learning needs a draft model, not {config.draft!r}")
+    if config.learn and not hasattr(proposer, "swap_model"):
+        raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {config.draft!r}")
     decoder = SpeculativeDecoder(target.model, target.tokenizer, proposer, k=config.k)
     learner = None
     if config.learn:

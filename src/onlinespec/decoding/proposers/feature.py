@@ -32,6 +32,11 @@ class FeatureHeadProposer:
         """The target's post-norm hidden state at the last verified position."""
         self._feature = feature
 
+    @property
+    def model(self) -> FeatureHead:
+        """The serving head (the online learner copies and swaps it)."""
+        return self.head
+
     def swap_model(self, head: FeatureHead, version: str) -> None:
         """Hand over a new head; safe from another thread, taken at the start of a round."""
         self._incoming = (head.eval(), version)

@@ -28,6 +28,15 @@ class HybridProposer:
     def version(self) -> str:
         return getattr(self.learned, "version", "v0")
 
+    @version.setter
+    def version(self, value: str) -> None:
+        self.learned.version = value
+
+    @property
+    def model(self):
+        """The learned draft (the online learner copies and swaps it)."""
+        return self.learned.model
+
     def swap_model(self, model, version: str) -> None:
         self.learned.swap_model(model, version)
 
