@@ -5,7 +5,7 @@ The "original" draft is a general feature head trained only on chat (the way the
 are general small LMs); every other cell specialises a copy of it on one domain's warm-up queries
 and is scored on that domain's held-out prompts (the target's greedy answers).
 
-    python bench/table1.py                      # ~60-90 min on 2 CPU cores; cached signals reused
+    python bench/table1.py                      # ~35 min on 2 CPU cores; cached signals reused
     python bench/table1.py --report-only        # table and plot from the saved cells
 
 Writes docs/table1.md, docs/table1.png and docs/table1.json.
@@ -52,7 +52,7 @@ def build_original(target, steps: int, specialise_ids: set[str]) -> Path:
     return out
 
 
-def run_cells(steps: int, original_steps: int, queries: int) -> dict:
+def run_cells(steps: int, original_steps: int, queries: int, batch_size: int) -> dict:
     from onlinespec.drafts.specialise import DistillRun, domain_queries, run_distill
     from onlinespec.models import load_model
 
@@ -67,7 +67,7 @@ def run_cells(steps: int, original_steps: int, queries: int) -> dict:
         if key in cells:
             continue
         start = time.time()
-        run = DistillRun(domain=domain, signal=source, loss=loss, queries=queries, steps=steps)
+        run = DistillRun(domain=domain, signal=source, loss=loss, queries=queries, steps=steps, batch_size=batch_size)
         result = run_distill(target, original, run)
         result["seconds"] = time.time() - start
         cells[key] = result
@@ -104,7 +104,7 @@ def report(cells: dict) -> None:
         "# Table 1 on our data: acceptance of specialised drafts",
         "",
         "Command: `python bench/table1.py` (see its docstring). Target: SmolLM2-135M-Instruct, bf16, 2 CPU cores.",
-        f"Each cell: the chat-only original head specialised for {any_cell['run']['steps']} steps (batch 256, lr "
+        f"Each cell: the chat-only original head specialised for {any_cell['run']['steps']} steps (batch {any_cell['run']['batch_size']}, lr "
         f"{any_cell['run']['lr']}) on {any_cell['run']['queries']} warm-up queries of the domain, scored on the domain's 20 "
         "held-out prompts (the target's greedy answers, 64 tokens). Figures: step-1 greedy acceptance (the paper's "
         "alpha for a first proposal) and, in brackets, the expected accepted tokens per round at k = 4.",
@@ -135,13 +135,14 @@ def report(cells: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per cell")
-    parser.add_argument("--original-steps", type=int, default=1500)
-    parser.add_argument("--queries", type=int, default=200, help="warm-up queries per domain")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps per cell")
+    parser.add_argument("--batch-size", type=int, default=128, help="start positions per step")
+    parser.add_argument("--original-steps", type=int, default=800)
+    parser.add_argument("--queries", type=int, default=64, help="warm-up queries per domain")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
-    cells = json.loads((WORK / "cells.json").read_text()) if args.report_only else run_cells(args.steps, args.original_steps, args.queries)
+    cells = json.loads((WORK / "cells.json").read_text()) if args.report_only else run_cells(args.steps, args.original_steps, args.queries, args.batch_size)
     report(cells)
 
 

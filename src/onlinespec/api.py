@@ -1,7 +1,7 @@
 """The Python entry point: build a speculative decoder from model specs.
 
 >>> from onlinespec import load_decoder, SamplingParams
->>> decoder = load_decoder(target="default", draft="ngram", k=4)
+>>> decoder = load_decoder(target="default", draft="hybrid", k=4)
 >>> out = decoder.generate([{"role": "user", "content": "Name three primes."}],
 ...                        SamplingParams(max_new_tokens=64))
 >>> print(out.text, out.stats.acceptance_rate, out.stats.tokens_per_s)
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.calibrate import forward_costs, padding_plan
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
@@ -36,9 +37,12 @@ from onlinespec.models import LoadedModel, check_same_tokenizer_hash, load_draft
 
 DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
 
-DEFAULT_DRAFT = "ngram"
+# Chosen by measured end-to-end speed on 60 held-out prompts (docs/default-bench.md): 1.63x the
+# target alone in fp32 with greedy output identical on 60/60 (bf16 was faster in absolute terms
+# but its greedy output drifts from the target alone's at bf16 rounding ties).
+DEFAULT_DRAFT = "hybrid"
 DEFAULT_DTYPE = "float32"
-DEFAULT_K = 4  # n-gram k=4 measured best (docs/engine-bench.md): a 5-token block runs on the fast kernel
+DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
 
 
 @dataclass
@@ -98,9 +102,16 @@ def load_decoder(
     return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, **options)
 
 
-def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False) -> dict:
+def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False, kernels: bool = True) -> dict:
     """``verify_padding`` and ``adaptive_k`` for :class:`SpeculativeDecoder`, from one measurement
-    of the target's forward cost per block width on this machine."""
+    of the target's forward cost per block width on this machine.
+
+    ``kernels``: first switch the target to the small-batch linear kernels if they measure faster
+    (:mod:`onlinespec.decoding.kernels`). They are set on the model itself, so a target-alone
+    decoder sharing it runs them too, and comparisons stay fair.
+    """
+    if kernels:
+        use_small_batch_kernels(target.model, max_width=max(8, k + 4))
     if not (pad or adaptive):
         return {}
     costs = forward_costs(target.model, max_width=max(8, k + 4))

@@ -19,6 +19,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from onlinespec.api import DraftChoice, engine_options, make_proposer
+from onlinespec.decoding import kernels
 from onlinespec.costmodel import estimate
 from onlinespec.data import Query
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -46,6 +47,7 @@ class BenchConfig:
     hf_assisted: bool = True
     pad_verify: bool = True  # pad verification blocks to the widths this CPU runs fastest
     adaptive_k: bool = False  # per round, send only the proposals the cost model says pay
+    small_batch_kernels: bool = True  # W @ X^T for 2-16 rows if measured faster (target alone runs them too)
 
 
 @dataclass
@@ -79,7 +81,7 @@ def run_bench(
         "target_alone": autoregressive_decoder(target.model, target.tokenizer),
         "speculative": SpeculativeDecoder(
             target.model, target.tokenizer, choice.proposer, k=config.k,
-            **engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k),
+            **engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k, kernels=config.small_batch_kernels),
         ),
     }
     hf = HFAssisted(target, choice, config.k) if config.hf_assisted else None
@@ -102,7 +104,7 @@ def run_bench(
         results.append(result)
         if on_prompt:
             on_prompt(i, result)
-    return summarize(results, runs, config)
+    return summarize(results, runs, config, kernels.enabled(target.model))
 
 
 def _params(config: BenchConfig, query: Query, seed: int) -> SamplingParams:
@@ -194,13 +196,14 @@ class HFAssisted:
 # ------------------------------------------------------------------------------------------------
 
 
-def summarize(results: list[PromptResult], runs: dict[str, list], config: BenchConfig) -> dict:
+def summarize(results: list[PromptResult], runs: dict[str, list], config: BenchConfig, kernels_on: bool = False) -> dict:
     summary = {
         "n_prompts": len(results),
         "k": config.k,
         "draft": config.draft,
         "config": asdict(config),
         "machine": machine_info(),
+        "small_batch_kernels_on": kernels_on,
         **_figures(results, runs, config),
         "domains": {},
         "prompts": [asdict(r) for r in results],

@@ -82,13 +82,14 @@ def bench(
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = True,
     pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = True,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per round, verify only the proposals the cost model says pay")] = True,
+    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = True,
 ) -> None:
     """Target alone vs our speculative decoding vs HF assisted generation, side by side."""
     from onlinespec.benchmark import BenchConfig
     from onlinespec.data import read_queries_jsonl
 
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
-    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify, adaptive_k)
+    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify, adaptive_k, kernels)
     summary = _run_bench(queries, config)
     summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,10 @@ def warmup(
     depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = 4,
     vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = 8192,
     per_domain: Annotated[int, typer.Option(min=1, help="chat and code warm-up queries each")] = 600,
+    extra_chat: Annotated[int, typer.Option(min=0, help="more chat warm-up queries (a separate cached part)")] = 1200,
+    extra_code: Annotated[int, typer.Option(min=0, help="more code warm-up queries (a separate cached part)")] = 374,
+    math_languages: Annotated[str, typer.Option(help="comma-separated GSM-Symbolic languages besides English ('' for none)")] = "deu,fra,spa",
+    math_samples: Annotated[int, typer.Option(min=0, help="sampled answers per English maths problem")] = 3,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens the target writes per warm-up query")] = 128,
 ) -> None:
     """Build a feature-head draft for a target: the target answers warm-up queries (batched, cached),
@@ -120,8 +125,12 @@ def warmup(
 
     loaded = _user_errors(lambda: load_model(target, dtype))
     recipe = _user_errors(lambda: HeadRecipe(vocab_size=vocab_size, depth=depth, steps=steps, batch_size=batch_size, lr=lr, loss=loss))
-    data = dataclasses.replace(WarmupData(), per_domain=per_domain, max_new_tokens=max_new_tokens)
-    meta = warm_feature_head(loaded, str(out_dir), recipe, data)
+    languages = tuple(lang for lang in math_languages.split(",") if lang)
+    data = dataclasses.replace(
+        WarmupData(), per_domain=per_domain, extra_chat=extra_chat, extra_code=extra_code,
+        math_languages=languages, math_samples=math_samples, max_new_tokens=max_new_tokens,
+    )
+    meta = _user_errors(lambda: warm_feature_head(loaded, str(out_dir), recipe, data))
     meta["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     (out_dir / "warmup.json").write_text(json.dumps(meta, indent=2))
     for domain, fig in meta["heldout"].items():
@@ -164,18 +173,21 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     out_dir: Annotated[Path, typer.Option(help="where the JSON results go")] = Path("runs/demo"),
 ) -> None:
-    """The main job on the embedded default: speculative decoding on packaged real prompts,
-    with the n-gram proposer and a draft model, side by side with the target alone and HF."""
+    """The main job on the embedded default: speculative decoding with the default draft (n-gram
+    lookup + the packaged feature head, adaptive k) and with n-gram lookup alone, on held-out real
+    prompts, side by side with the target alone and HF assisted generation."""
+    from onlinespec.api import DEFAULT_DTYPE
     from onlinespec.benchmark import BenchConfig
     from onlinespec.data import packaged_prompts
 
     from onlinespec.models import load_model
 
-    queries = packaged_prompts(n_prompts, seed=1)
-    target = load_model("default")
-    for draft, k in (("ngram", 4), ("target-layers:2", 2)):
+    queries = packaged_prompts(n_prompts, seed=1, split="heldout")
+    target = load_model("default", DEFAULT_DTYPE)
+    for draft, k in ((DEFAULT_DRAFT, DEFAULT_K), ("ngram", 4)):
         console.rule(f"draft {draft}, k = {k}")
-        summary = _run_bench(queries, BenchConfig(draft=draft, k=k, max_new_tokens=max_new_tokens), target)
+        config = BenchConfig(draft=draft, k=k, dtype=DEFAULT_DTYPE, max_new_tokens=max_new_tokens, adaptive_k=True)
+        summary = _run_bench(queries, config, target)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"bench-{draft.replace(':', '-')}.json").write_text(json.dumps(summary, indent=2))
         print_bench(summary)

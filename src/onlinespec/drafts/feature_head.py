@@ -138,6 +138,7 @@ class FeatureHead(nn.Module):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a saved draft is meant to be shared
         weights = {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()}
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         info = {"kind": "feature-head", "config": asdict(self.config), **(metadata or {})}

@@ -9,6 +9,7 @@ a held-out problem would leak it).
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, replace
 
@@ -32,6 +33,7 @@ class WarmupData:
     seed: int = 0
 
 
+@functools.lru_cache(maxsize=4)  # loading the pools parses all of ShareGPT: do it once per recipe
 def warmup_queries(data: WarmupData = WarmupData()) -> tuple[list[Query], list[Query], list[Query]]:
     """(queries decoded greedily, maths queries decoded by sampling, extra chat and code queries
     decoded greedily), all from the warm-up split."""
@@ -103,8 +105,8 @@ def warm_feature_head(
 ) -> dict:
     """Build (or resume building) a feature head for ``target`` and save it to folder ``out``.
 
-    Checkpoints go to ``work_dir`` (default ``out + ".work"``); run the same call again after a
-    stop and training resumes where it was. Returns the held-out evaluation written with the head.
+    Checkpoints go to ``work_dir`` (default: the cache, ``warmup/<out folder name>``); run the
+    same call again after a stop and training resumes where it was. Returns the held-out evaluation written with the head.
     """
     import dataclasses
     from pathlib import Path
@@ -133,7 +135,10 @@ def warm_feature_head(
         "data": {**dataclasses.asdict(data), "tokens": signal.n_tokens, "sequences": len(signal)},
         "recipe": dataclasses.asdict(recipe),
     }
-    work = Path(work_dir or f"{out}.work")
+    from onlinespec.models import cache_dir
+
+    work = Path(work_dir) if work_dir else cache_dir() / "warmup" / Path(out).name
+    _check_resumable(work, meta)
     trainer = Trainer(head, task.starts.tolist(), work, config, metadata=meta, step_fn=task.step)
     trainer.run(progress=progress, until=until)
     evaluation = evaluate_chain(head, heldout_signal(target, progress=progress), depth=recipe.depth)
@@ -141,3 +146,19 @@ def warm_feature_head(
     if trainer.step >= recipe.steps:
         head.save(out, meta)
     return meta
+
+
+def _check_resumable(work, meta: dict) -> None:
+    """Refuse to resume a checkpoint written for another recipe, data or target."""
+    import json
+
+    saved = work / "checkpoint" / "meta.json"
+    if not saved.exists():
+        return
+    old = json.loads(saved.read_text())
+    for key in ("target", "tokenizer", "dtype", "data", "recipe"):
+        if old.get(key) != meta.get(key):
+            raise ValueError(
+                f"{work} holds a checkpoint of another warm-up ({key} differs): delete that folder to "
+                "start over, or resume with the same settings"
+            )
