@@ -122,9 +122,11 @@ def _num(value, fmt: str, suffix: str = "") -> str:
 
 
 def _plot(summaries: list[dict], path: Path) -> None:
-    fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4), squeeze=False)
+    cols = min(3, len(summaries))
+    rows = (len(summaries) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     methods = [("target_alone", "target alone"), ("speculative", "onlinespec"), ("hf_assisted", "HF assisted")]
-    for ax, s in zip(axes[0], summaries):
+    for ax, s in zip(axes.flat, summaries):
         domains = ["all", *s["domains"]]
         figs = [s, *s["domains"].values()]
         width = 0.27
@@ -133,9 +135,15 @@ def _plot(summaries: list[dict], path: Path) -> None:
                 continue
             ax.bar([i + (j - 1) * width for i in range(len(domains))], [f[key]["tokens_per_s"] for f in figs], width, label=label)
         ax.set_xticks(range(len(domains)), domains)
-        ax.set_title(f"draft {s['draft']}, k={s['k']}")
+        cfg = s.get("config", {})
+        flags = [cfg.get("dtype", "")] + (["adaptive k"] if cfg.get("adaptive_k") else [])
+        if cfg.get("dtype") == "float32" and not s.get("small_batch_kernels_on", False):
+            flags.append("stock kernels")
+        ax.set_title(f"draft {s['draft']}, k={s['k']} ({', '.join(f for f in flags if f)})\n{s['speedup_vs_target']:.2f}x target alone", fontsize=10)
         ax.set_ylabel("tokens/s (greedy)")
-    axes[0][0].legend()
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(summaries):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
