@@ -90,3 +90,23 @@ def test_online_serves_a_stream_learns_and_reports(tmp_path):
     assert sum(e["event"] == "request" for e in events) == 6 and any(e["event"] == "update" for e in events)
     assert (out_dir / "report.md").exists() and (out_dir / "alpha.png").stat().st_size > 0
     assert (out_dir / "drafts" / "CURRENT").exists()
+
+
+def test_drafts_lists_versions_and_rolls_back(tmp_path):
+    import torch
+
+    from onlinespec.online.registry import DraftRegistry
+
+    registry = DraftRegistry(tmp_path / "drafts")
+    registry.publish({"w": torch.zeros(2)}, {"parent": None, "note": "starting draft"})
+    registry.publish({"w": torch.ones(2)}, {"parent": "v0001", "records_seen": 40, "alpha_before": 0.2, "alpha_after": 0.3})
+    listed = runner.invoke(app, ["drafts", "list", "--dir", str(tmp_path / "drafts")])
+    assert listed.exit_code == 0 and "v0001" in listed.stdout and "* v0002" in listed.stdout and "0.3000" in listed.stdout
+    back = runner.invoke(app, ["drafts", "rollback", "--dir", str(tmp_path / "drafts")])
+    assert back.exit_code == 0 and registry.current() == "v0001"
+    again = runner.invoke(app, ["drafts", "rollback", "--dir", str(tmp_path / "drafts")])
+    assert again.exit_code == 2 and "no parent" in again.output
+    named = runner.invoke(app, ["drafts", "rollback", "--dir", str(tmp_path / "drafts"), "--to", "v0009"])
+    assert named.exit_code == 2 and "no draft version" in named.output
+    assert runner.invoke(app, ["drafts", "rollback", "--dir", str(tmp_path / "drafts"), "--to", "v0002"]).exit_code == 0
+    assert registry.current() == "v0002"

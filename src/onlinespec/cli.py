@@ -18,6 +18,8 @@ from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
 app.add_typer(data_app, name="data")
+drafts_app = typer.Typer(no_args_is_help=True, help="The versioned draft registry of an online run: list, roll back, serve a version.")
+app.add_typer(drafts_app, name="drafts")
 console = Console(stderr=True)  # progress and messages
 out = Console(width=None if sys.stdout.isatty() else 160)  # results
 
@@ -287,6 +289,43 @@ def costmodel(
         table.add_row(str(kk), f"{cm.expected_tokens_per_round(alpha, kk):.3f}", f"{cm.speedup(alpha, kk, c, verify_cost):.3f}")
     out.print(table)
     out.print(f"best k: {cm.best_k(alpha, c, k_max, verify_cost)}")
+
+
+RegistryOpt = Annotated[Path, typer.Option("--dir", exists=True, file_okay=False, help="the registry: <online --out-dir>/drafts")]
+
+
+@drafts_app.command("list")
+def drafts_list(directory: RegistryOpt = Path("runs/online/drafts")) -> None:
+    """Every published version with its parent, records seen, loss and alpha before/after."""
+    from onlinespec.online.registry import DraftRegistry
+
+    registry = DraftRegistry(directory)
+    current = registry.current()
+    table = Table(title=f"drafts in {directory}")
+    for col in ("version", "parent", "records seen", "loss before", "loss after", "alpha before", "alpha after", "note"):
+        table.add_column(col, justify="right")
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
+    for version in registry.versions():
+        meta = registry.meta(version)
+        name = f"* {version}" if version == current else version
+        table.add_row(name, *(fmt(meta.get(k)) for k in ("parent", "records_seen", "loss_before", "loss_after", "alpha_before", "alpha_after", "note")))
+    out.print(table)
+    out.print(f"serving: {current or '-'} (* above)")
+
+
+@drafts_app.command("rollback")
+def drafts_rollback(
+    directory: RegistryOpt = Path("runs/online/drafts"),
+    to: Annotated[Optional[str], typer.Option(help="the version to serve (default: the current one's parent)")] = None,
+) -> None:
+    """Serve an earlier version: the current one's parent, or the one named with --to. The next
+    `onlinespec online` run on the same --out-dir starts from it."""
+    from onlinespec.online.registry import DraftRegistry
+
+    registry = DraftRegistry(directory)
+    before = registry.current()
+    version = _user_errors(lambda: registry.set_current(to) or to if to else registry.rollback())
+    console.print(f"serving {version} (was {before})")
 
 
 @data_app.command("list")

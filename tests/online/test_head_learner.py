@@ -78,3 +78,19 @@ def test_online_head_learning_raises_acceptance_and_keeps_output_exact(tiny_llam
     restored = head.clone()
     restored.load_state_dict(state)
     assert torch.equal(restored.fuse.weight, proposer.model.fuse.weight) or proposer.version != published[-1].version
+
+
+def test_a_restart_serves_the_registrys_current_version(tiny_llama, tmp_path, one_thread):
+    target, head = make(tiny_llama)
+    registry = DraftRegistry(tmp_path / "drafts")
+    trained = head.clone()
+    with torch.no_grad():
+        trained.fuse.weight.add_(0.5)
+    registry.publish(head.state_dict(), {"parent": None, "note": "starting draft"})
+    version = registry.publish(trained.state_dict(), {"parent": "v0001"})
+    # a fresh process: the starting head again, the same registry and buffer folders
+    proposer = FeatureHeadProposer(head)
+    OnlineLearner(proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), registry, LearnerConfig())
+    assert proposer.version == version
+    assert torch.equal(proposer.model.fuse.weight, trained.fuse.weight)
+    assert not torch.equal(head.fuse.weight, trained.fuse.weight)  # the starting head was not overwritten

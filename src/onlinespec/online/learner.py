@@ -78,9 +78,23 @@ class OnlineLearner:
         self._records_seen = 0
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the buffer between serving and learner threads
-        if registry.current() is None:
+        current = registry.current()
+        if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft"})
-        proposer.version = registry.current()
+            proposer.version = registry.current()
+        else:  # a restart (or a rollback): serve the registry's current version, not the starting draft
+            proposer.swap_model(self._load_version(current), current)
+            proposer.begin([])  # take it now: nothing is being served yet
+            proposer.version = current
+
+    def _load_version(self, version: str):
+        """A private copy of the serving draft holding ``version``'s weights."""
+        serving = self.proposer.model
+        model = serving.clone() if isinstance(serving, FeatureHead) else copy.deepcopy(serving)
+        model.load_state_dict(self.registry.load(version), strict=False)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return model.eval()
 
     def observe(self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True) -> None:
         """Record a served request (skipped when ``train`` is False) and start an update when due."""
