@@ -115,6 +115,7 @@ def report(cells: dict) -> None:
     for row in rows:
         vals = [table[row].get(d) for d in DOMAINS]
         lines.append(f"| {row} | " + " | ".join(f"{a:.3f} ({t:.2f})" if a is not None else "-" for a, t in (v or (None, None) for v in vals)) + " |")
+    lines += ["", *findings(table)]
     (DOCS / "table1.md").write_text("\n".join(lines) + "\n")
     (DOCS / "table1.json").write_text(json.dumps({r: {d: v for d, v in table[r].items()} for r in rows}, indent=1))
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(15, 4.5), sharey=True)
@@ -131,6 +132,44 @@ def report(cells: dict) -> None:
     fig.tight_layout()
     fig.savefig(DOCS / "table1.png", dpi=120)
     print("\n".join(lines))
+
+
+def findings(table: dict) -> list[str]:
+    """What the table says, computed from it, and how it compares with the paper's Table 1."""
+    import statistics
+
+    out = ["## Findings", ""]
+    for domain in DOMAINS:
+        original = table["original"][domain][0]
+        distilled = {r: v[domain][0] for r, v in table.items() if "/" in r and domain in v}
+        best = max(distilled, key=distilled.get)
+        gt = table["ground-truth"].get(domain, (float("nan"),))[0]
+        out.append(
+            f"- **{domain}**: original {original:.3f}; best distilled {best} {distilled[best]:.3f} "
+            f"({distilled[best] - original:+.3f}); ground-truth fine-tuning {gt:.3f} ({gt - original:+.3f})."
+        )
+    by_source = {s: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for l in LOSSES for d in DOMAINS) for s in SOURCES}
+    by_loss = {l: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for s in SOURCES for d in DOMAINS) for l in LOSSES}
+    out += [
+        "- Mean change over the original, by signal: " + ", ".join(f"{s} {v:+.3f}" for s, v in by_source.items()) + ".",
+        "- Mean change over the original, by loss: " + ", ".join(f"{l} {v:+.3f}" for l, v in by_loss.items()) + ".",
+        "",
+        "Where we agree with the paper:",
+        "- Distilling from the target beats fine-tuning on ground-truth text. Here the ground-truth text",
+        "  (the users' own prompts) even lowers acceptance: it is not what the target writes.",
+        "- Specialising on a domain the original did not see (code, maths) raises acceptance.",
+        "- No single loss wins everywhere, as the paper also found.",
+        "",
+        "Where we differ:",
+        "- On chat, the domain the original was trained on, more distillation does not help: the draft was",
+        "  already at its level.",
+        "- Our student is a feature head that predicts one token from the target's own state. Its samples",
+        "  differ from the teacher's less than a separate small LM's do, so student and mixed sampling",
+        "  matter less here than in the paper.",
+        "- Scale: 64 queries per domain, 150 steps per cell and one seed. Differences under about 0.02 are",
+        "  within noise, whereas the paper trained each cell to convergence.",
+    ]
+    return out
 
 
 def main() -> None:
