@@ -51,7 +51,7 @@ def generate(
 
     params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
     with console.status("loading models"):
-        decoder = load_decoder(target, draft, k, dtype)
+        decoder = _user_errors(lambda: load_decoder(target, draft, k, dtype))
     request = [{"role": "user", "content": prompt}] if chat else prompt
 
     def stream_out():

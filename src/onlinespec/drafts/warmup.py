@@ -157,7 +157,7 @@ def _check_resumable(work, meta: dict) -> None:
         return
     old = json.loads(saved.read_text())
     for key in ("target", "tokenizer", "dtype", "data", "recipe"):
-        if old.get(key) != meta.get(key):
+        if old.get(key) != json.loads(json.dumps(meta.get(key))):  # as saved: tuples become lists
             raise ValueError(
                 f"{work} holds a checkpoint of another warm-up ({key} differs): delete that folder to "
                 "start over, or resume with the same settings"
