@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.calibrate import forward_costs, padding_plan
+from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
@@ -110,17 +110,16 @@ def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool
     (:mod:`onlinespec.decoding.kernels`). They are set on the model itself, so a target-alone
     decoder sharing it runs them too, and comparisons stay fair.
     """
-    if kernels:
-        use_small_batch_kernels(target.model, max_width=max(8, k + 4))
+    width = max(8, k + 4)
+    costs: list[float] = []
+    if kernels:  # its measurement of the kept kernels is the cost curve: no need to time again
+        kept, stock, fast = use_small_batch_kernels(target.model, max_width=width)
+        costs = fast if kept else stock
     if not (pad or adaptive):
         return {}
-    costs = forward_costs(target.model, max_width=max(8, k + 4))
+    costs = costs or forward_costs(target.model, max_width=width)
     return {
         "verify_padding": padding_plan(costs) if pad else None,
         "adaptive_k": AdaptiveK(costs, padded=pad) if adaptive else None,
     }
 
-
-def verify_padding(target: LoadedModel, k: int) -> dict[int, int]:
-    """The padding plan for verification blocks of up to k + 1 tokens, measured on this machine."""
-    return padding_plan(forward_costs(target.model, max_width=max(8, k + 4)))

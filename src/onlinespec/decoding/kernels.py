@@ -2,13 +2,12 @@
 
 ``nn.Linear`` computes ``X @ W^T``. On the CPUs this project runs on (MKL, fp32), a product with
 2-16 rows goes to a GEMM path that packs the weight for every call: the target's 576 x 49,152
-output head takes 15 ms for 2 rows and 13 ms for 5, against 7 ms for one row. The same product
-written as ``W @ X^T`` runs in 2.3-3.9 ms, and the body's matrices gain 1.2-2x. One token alone
-stays on the matrix-vector path, except for the large output head, which is faster as two rows.
-
-Measured on the whole default target (fp32, 2 threads, median ms per forward of 1..6 tokens):
-stock 39.7 / 67.3 / 82.9 / 62.1 / 63.4 / 57.3; with these kernels 37.1 / 32.2 / 35.7 / 33.3 /
-41.6 / 44.3. Verifying 4 tokens then costs less than one stock decoding step.
+output head takes 12-14 ms for 2-5 rows, against 6.7 ms for one row. The same product written
+as ``W @ X^T`` runs in 2.7-4.5 ms, and the body's matrices gain 1.3-1.6x. One token alone stays
+on the matrix-vector path, except for the large output head, which is faster as two rows.
+Whole default target (fp32, 2 threads), ms per forward of 1..6 tokens: stock 39.3 / 65.9 / 84.4
+/ 64.2 / 57.8 / 60.7; with these kernels 36.6 / 32.0 / 34.6 / 32.7 / 40.7 / 43.8
+(``python bench/kernels_bench.py``).
 
 The choice is measured, never assumed: :func:`use_small_batch_kernels` times the model's forward
 per block width with and without the kernels and keeps them only if they are faster in total.

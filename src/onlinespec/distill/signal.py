@@ -107,7 +107,7 @@ class Signal:
         parts = [p for p in parts if len(p)]
         if not parts:
             raise ValueError("nothing to concatenate: every signal is empty")
-        offsets, starts, total = [], [torch.zeros(1, dtype=torch.long)], 0
+        starts, total = [torch.zeros(1, dtype=torch.long)], 0
         for part in parts:
             starts.append(part.starts[1:] + total)
             total += part.n_tokens

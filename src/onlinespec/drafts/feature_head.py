@@ -19,8 +19,10 @@ looked up at load time), so a saved head is a few MB and binds to its target by 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,8 +112,6 @@ class FeatureHead(nn.Module):
 
     def clone(self) -> "FeatureHead":
         """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
-        import copy
-
         shared = (self.embedding, self.out_rows, self.restricted_index, self.vocab_ids)
         return copy.deepcopy(self, {id(t): t for t in shared})
 
@@ -147,10 +147,7 @@ class FeatureHead(nn.Module):
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        if old.exists():
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
         return path
 
     @classmethod

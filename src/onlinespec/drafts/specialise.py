@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from onlinespec.distill.losses import LOSSES
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
 from onlinespec.drafts.feature_head import WEIGHTS_FILE, FeatureHead
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
-from onlinespec.drafts.warmup import heldout_signal, warmup_queries
+from onlinespec.drafts.warmup import heldout_signal, signal_key, warmup_queries
 from onlinespec.models import LoadedModel
 
 SIGNALS = ("teacher", "student", "mixed", "fixed", "ground-truth")
@@ -73,8 +74,7 @@ def run_signal(target: LoadedModel, head: FeatureHead, head_tag: str, run: Disti
     queries = domain_queries(run.domain, run.queries, run.offset)
     source = {"ground-truth": "fixed"}.get(run.signal, run.signal)
     config = SignalConfig(source=source, max_new_tokens=run.max_new_tokens, mix_ratio=run.mix_ratio, batch_size=48, seed=run.seed)
-    key = f"{target.name}@{target.model.dtype}"
-    return build_signal(target.model, target.tokenizer, queries, config, student=head, cache_as=key, student_tag=head_tag, progress=progress)
+    return build_signal(target.model, target.tokenizer, queries, config, student=head, cache_as=signal_key(target), student_tag=head_tag, progress=progress)
 
 
 def one_hot(signal: Signal) -> Signal:
@@ -100,8 +100,6 @@ def run_distill(target: LoadedModel, start: str | Path, run: DistillRun, out_dir
         steps=run.steps, batch_size=run.batch_size, lr=run.lr, warmup_steps=min(50, run.steps // 5),
         checkpoint_every=10**9, seed=run.seed, distill=DistillConfig(loss=run.loss),
     )
-    import tempfile
-
     with tempfile.TemporaryDirectory() as work:
         trainer = Trainer(head, task.starts.tolist(), work, config, step_fn=task.step)
         trainer.run(progress=progress)

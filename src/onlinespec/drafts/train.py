@@ -47,7 +47,6 @@ class ChainTask:
         if chain.generated_only:
             keep &= t + 1 >= first_generated
         self.starts = t[keep]
-        self.first_generated = first_generated
 
     def __len__(self) -> int:
         return len(self.starts)

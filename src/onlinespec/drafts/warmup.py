@@ -9,14 +9,23 @@ a held-out problem would leak it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from onlinespec.data.sources import Query, english_pools, load_gsm_symbolic
+import torch
+
+from onlinespec.data.sources import Query, english_pools, load_gsm_symbolic, packaged_prompts
 from onlinespec.data.streams import split, split_of
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.models import LoadedModel
+from onlinespec.distill.step import DistillConfig
+from onlinespec.distill.trainer import TrainConfig, Trainer
+from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
+from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
+from onlinespec.models import LoadedModel, cache_dir, tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ def warmup_queries(data: WarmupData = WarmupData()) -> tuple[list[Query], list[Q
     return greedy, sampled, extra
 
 
+def signal_key(target: LoadedModel) -> str:
+    """How a target names its cached signals: the model and its dtype (their features differ)."""
+    return f"{target.name}@{target.model.dtype}"
+
+
 def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress: bool = True) -> Signal:
     """The teacher-sampled warm-up signal (built once per target and recipe, then read from the cache)."""
     greedy, sampled, extra = warmup_queries(data)
@@ -60,7 +74,7 @@ def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress
         source="teacher", max_new_tokens=data.max_new_tokens, max_prompt_tokens=data.max_prompt_tokens,
         batch_size=data.batch_size, seed=data.seed,
     )
-    key = f"{target.name}@{target.model.dtype}"
+    key = signal_key(target)
     parts = [build_signal(target.model, target.tokenizer, greedy, base, cache_as=key, progress=progress)]
     if sampled:
         hot = replace(base, temperature=data.math_temperature)
@@ -72,11 +86,9 @@ def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress
 
 def heldout_signal(target: LoadedModel, per_domain: int = 20, max_new_tokens: int = 64, progress: bool = True) -> Signal:
     """The target's greedy answers to held-out prompts (the bench's prompts), for evaluation."""
-    from onlinespec.data.sources import packaged_prompts
-
     queries = packaged_prompts(3 * per_domain, ("chat", "code", "math"), seed=0, split="heldout")
     config = SignalConfig(source="teacher", max_new_tokens=max_new_tokens, batch_size=30)
-    return build_signal(target.model, target.tokenizer, queries, config, cache_as=f"{target.name}@{target.model.dtype}", progress=progress)
+    return build_signal(target.model, target.tokenizer, queries, config, cache_as=signal_key(target), progress=progress)
 
 
 @dataclass(frozen=True)
@@ -106,19 +118,9 @@ def warm_feature_head(
     """Build (or resume building) a feature head for ``target`` and save it to folder ``out``.
 
     Checkpoints go to ``work_dir`` (default: the cache, ``warmup/<out folder name>``); run the
-    same call again after a stop and training resumes where it was. Returns the held-out evaluation written with the head.
+    same call again after a stop and training resumes where it was. Returns the metadata
+    (with the held-out evaluation) written with the head.
     """
-    import dataclasses
-    from pathlib import Path
-
-    import torch
-
-    from onlinespec.distill.step import DistillConfig
-    from onlinespec.distill.trainer import TrainConfig, Trainer
-    from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
-    from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
-    from onlinespec.models import tokenizer_fingerprint
-
     signal = warmup_signal(target, data, progress)
     counts = torch.bincount(signal.ids, minlength=target.model.config.vocab_size)
     eos = target.tokenizer.eos_token_id
@@ -135,8 +137,6 @@ def warm_feature_head(
         "data": {**dataclasses.asdict(data), "tokens": signal.n_tokens, "sequences": len(signal)},
         "recipe": dataclasses.asdict(recipe),
     }
-    from onlinespec.models import cache_dir
-
     work = Path(work_dir) if work_dir else cache_dir() / "warmup" / Path(out).name
     _check_resumable(work, meta)
     trainer = Trainer(head, task.starts.tolist(), work, config, metadata=meta, step_fn=task.step)
@@ -150,8 +150,6 @@ def warm_feature_head(
 
 def _check_resumable(work, meta: dict) -> None:
     """Refuse to resume a checkpoint written for another recipe, data or target."""
-    import json
-
     saved = work / "checkpoint" / "meta.json"
     if not saved.exists():
         return

@@ -57,5 +57,4 @@ class HybridProposer:
         copied = lookup(np.asarray(ids), k, self.max_ngram, self.min_ngram)
         if copied:
             return Proposal(tokens=copied, source="ngram")
-        proposal = self.learned.propose(ids, k, params, generator, with_probs)
-        return proposal
+        return self.learned.propose(ids, k, params, generator, with_probs)
