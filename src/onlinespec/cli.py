@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
+from onlinespec.online.learner import LearnerConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
@@ -199,46 +200,57 @@ def demo(
 def online(
     stream: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL query stream (see `onlinespec data stream`)")],
     json_out: Annotated[Path, typer.Option("--json", help="per-request rows and the summary")],
-    out_dir: Annotated[Path, typer.Option(help="buffer, draft registry, event log and report")] = Path("runs/online"),
+    out_dir: Annotated[Path, typer.Option(help="buffer, draft registry, event log and report (a restart resumes from them)")] = Path("runs/online"),
     target: TargetOpt = "default",
-    draft: DraftOpt = "target-layers:2",
-    k: KOpt = 2,
+    draft: DraftOpt = DEFAULT_DRAFT,
+    k: KOpt = DEFAULT_K,
     dtype: DtypeOpt = "float32",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     learn: Annotated[bool, typer.Option("--learn/--static", help="update the draft online, or keep it static")] = True,
-    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = 50,
+    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = 25,
     interval_unit: Annotated[str, typer.Option(help="requests, records or tokens")] = "requests",
     loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
     beta: Annotated[float, typer.Option(help="JSD mixing weight")] = 0.5,
-    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = "rejected",
+    source: Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")] = "teacher",
+    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = "verified",
     buffer_policy: Annotated[str, typer.Option(help="clear, window, reservoir or priority")] = "window",
-    steps_per_update: Annotated[int, typer.Option(min=1)] = 20,
-    lr: float = 1e-4,
+    steps_per_update: Annotated[int, typer.Option(min=1)] = LearnerConfig.steps_per_update,
+    batch_size: Annotated[int, typer.Option(min=1, help="examples per learner step")] = LearnerConfig.batch_size,
+    lr: float = LearnerConfig.lr,
     learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = 1,
+    priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = "low",
+    cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = 1.0,
+    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-round k from the cost model, or always k")] = True,
+    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")] = True,
+    compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft and the target alone (0: never)")] = 0,
 ) -> None:
     """Serve a query stream with speculative decoding while the draft learns from it."""
     from onlinespec.data import read_queries_jsonl
     from onlinespec.distill.step import DistillConfig
-    from onlinespec.online.learner import LearnerConfig
     from onlinespec.online.report import write_report
     from onlinespec.online.stream import OnlineConfig, run_stream
 
     queries = _user_errors(lambda: read_queries_jsonl(stream))
+    if not queries:
+        console.print(f"[red]error:[/red] {stream} holds no queries: write one JSON object per line (see `onlinespec data stream`)")
+        raise typer.Exit(2)
     learner = _user_errors(lambda: LearnerConfig(
-        update_interval=update_interval, interval_unit=interval_unit, position_policy=positions,
-        distill=DistillConfig(loss=loss, beta=beta), steps_per_update=steps_per_update, lr=lr, threads=learner_threads,
+        update_interval=update_interval, interval_unit=interval_unit, position_policy=positions, source=source,
+        distill=DistillConfig(loss=loss, beta=beta), steps_per_update=steps_per_update, batch_size=batch_size, lr=lr,
+        threads=learner_threads, priority=priority, cpu_share=cpu_share,
     ))
-    config = OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner)
-    columns = [TextColumn("online"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    config = _user_errors(lambda: OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner,
+                                               adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every))
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("", total=len(queries), info="")
+        task = progress.add_task("online" if learn else "static", total=len(queries), info="")
 
         def on_request(row):
             info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {row['tokens_per_s']:.1f} tok/s  "
                     f"draft {row['draft_version']}  {row['domain']}")
             progress.update(task, advance=1, info=info)
 
-        result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request))
+        result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request, lambda text: progress.update(task, info=text)))
     result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
@@ -248,6 +260,11 @@ def online(
     out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s, alpha first 50 "
               f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
               f"{len(result['updates'])} updates. Report: {report}")
+    if "comparison" in result:
+        c = result["comparison"]
+        out.print(f"same requests ({c['n_requests']}): online {c['tokens_per_s']['online']:.1f} tok/s, static "
+                  f"{c['tokens_per_s']['static']:.1f}, target alone {c['tokens_per_s']['target_alone']:.1f}; identical "
+                  f"{c['identical']}/{c['n_requests']}")
 
 
 @app.command()

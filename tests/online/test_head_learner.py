@@ -57,7 +57,7 @@ def test_online_head_learning_raises_acceptance_and_keeps_output_exact(tiny_llam
     proposer = HybridProposer(FeatureHeadProposer(head), min_ngram=3)
     learner = OnlineLearner(
         proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), DraftRegistry(tmp_path / "drafts"),
-        LearnerConfig(update_interval=8, steps_per_update=60, batch_size=64, lr=3e-3, position_policy="verified",
+        LearnerConfig(update_interval=8, steps_per_update=60, batch_size=64, lr=3e-3, position_policy="verified", priority="normal",
                       distill=DistillConfig(loss="fkl")),
     )
     decoder = SpeculativeDecoder(target, None, proposer, k=3)

@@ -21,7 +21,8 @@ def setup(tiny_llama, tmp_path, background=True, **config):
     proposer = DraftModelProposer(draft)
     learner = OnlineLearner(
         proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), DraftRegistry(tmp_path / "drafts"),
-        LearnerConfig(**{"update_interval": 8, "steps_per_update": 40, "lr": 3e-3, "position_policy": "verified",
+        LearnerConfig(**{"update_interval": 8, "steps_per_update": 40, "batch_size": 8, "lr": 3e-3, "position_policy": "verified",
+                         "priority": "normal",
                          "distill": DistillConfig(loss="fkl"), **config}),
         background=background,
     )

@@ -43,8 +43,9 @@ class RoundTrace:
     target_top_logprobs: torch.Tensor  # [len(proposals) + 1, K] float32, log-softmax at temperature 1
     n_accepted: int
     next_token: int  # the target's correction (n_accepted < len(proposals)) or bonus token
-    # [n_accepted + 1, H] float16: the target's post-norm hidden state at the rows that were kept
-    # (positions position - 1 .. position + n_accepted - 1), when the proposer reads features
+    # [len(proposals) + 1, H] float16: the target's post-norm hidden state at every row (positions
+    # position - 1 .. position + len(proposals) - 1), when the proposer reads features. Rows past
+    # n_accepted are conditioned on rejected proposals: the student-sampled rows of online learning
     target_features: torch.Tensor | None = None
 
     @property
@@ -277,8 +278,8 @@ class SpeculativeDecoder:
         top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
         draft_probs = None
         if proposal.probs is not None:
-            draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens)].tolist()
-        kept = hidden[: verdict.n_accepted + 1].to(torch.float16) if hidden is not None else None
+            draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
+        kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None
         return RoundTrace(
             position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token, kept
         )

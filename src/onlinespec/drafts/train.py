@@ -133,6 +133,45 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = 4, batch: int
     return out
 
 
+@torch.inference_mode()
+def replay_acceptance(head: FeatureHead, signal: Signal, k: int, batch: int = 4096) -> list[tuple[int, int]]:
+    """Per sequence, ``(accepted, judged)``: what greedy speculative decoding with ``head`` proposing
+    ``k`` tokens a round accepts over ``signal``'s generated text, without running the target.
+
+    ``signal`` must hold the target's greedy answers (a teacher signal at temperature 0) with its
+    features: then every round is known in advance. The first round has no feature to draft from
+    and emits one token; a round starting at position ``p`` drafts from the target's state at
+    ``p - 2`` and the token at ``p - 1`` (as the engine does after each verification), proposes
+    ``min(k, tokens left - 1)`` tokens, accepts the longest correct prefix ``n`` and moves to
+    ``p + n + 1``. This reproduces a real fixed-k run up to the features' numerics (batched
+    generation vs one request) and the last round of an answer cut by EOS; docs/online.md checks
+    it against live runs. It is how drafts that never served a stream are scored on it.
+    """
+    task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
+    correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
+    for first in range(0, len(task.starts), batch):
+        starts = task.starts[first: first + batch]
+        for j, logits, pos, valid in task.chain_outputs(head, starts, k):
+            correct[starts, j - 1] = (head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]) & valid
+    # leading[t, m - 1]: how many of the first m steps from start t are accepted
+    leading = torch.cumprod(correct.int(), 1).cumsum(1)
+    out = []
+    for i in range(len(signal)):
+        begin, end = int(signal.starts[i]), int(signal.starts[i + 1])
+        p = begin + int(signal.prompt_lens[i]) + 1  # after the proposal-free first round
+        accepted = judged = 0
+        while p < end:
+            proposed = min(k, end - p - 1)
+            if proposed <= 0:
+                p += 1
+                continue
+            n = int(leading[p - 2, proposed - 1])
+            accepted, judged = accepted + n, judged + min(n + 1, proposed)
+            p += n + 1
+        out.append((accepted, judged))
+    return out
+
+
 def records_to_signal(records) -> tuple[Signal, torch.Tensor]:
     """Online records of a feature head (:class:`~onlinespec.online.recorder.DistillRecord` with
     features) as a :class:`Signal`, and a [T] mask of its rejection rows.

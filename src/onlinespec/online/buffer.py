@@ -103,11 +103,14 @@ class ReplayBuffer:
         ranked = sorted(self._entries, key=lambda e: e.priority, reverse=True)
         return [e.record for e in ranked[:n]]
 
-    def after_update(self) -> None:
-        """Called after each draft update: the "clear" policy empties the buffer."""
+    def after_update(self, used: list[DistillRecord] | None = None) -> None:
+        """Called after each draft update: the "clear" policy drops the records the update used
+        (``used``; all when None). Records that arrived while it ran stay for the next one."""
         if self.policy == "clear":
+            chosen = None if used is None else {id(r) for r in used}
             for entry in list(self._entries):
-                self._remove(entry)
+                if chosen is None or id(entry.record) in chosen:
+                    self._remove(entry)
 
     # ---- internals ------------------------------------------------------------------------------
 

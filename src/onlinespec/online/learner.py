@@ -5,13 +5,22 @@ the registry and hand it to the proposer, which takes it between two rounds.
 The serving path only appends a record and counts (``observe``); it never waits for an update.
 An update that is still running when the next one is due is not stacked: the next one starts
 when the current one ends and the count is reached again.
+
+CPU budget. The learner thread runs ``threads`` torch threads. At ``priority="low"`` (the
+default) the OS runs it at the lowest priority (nice 19, for that thread only), so it takes only
+the CPU time serving leaves: on a 2-core machine that serving saturates, an update takes longer
+but requests keep their speed (docs/online.md measures both). ``cpu_share`` caps the share of
+wall time the learner computes (it sleeps between steps), for machines where it runs at normal
+priority.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,7 +31,7 @@ from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
 from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.recorder import record_from_generation
+from onlinespec.online.recorder import SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
 
 UNITS = ("requests", "records", "tokens")
@@ -34,19 +43,28 @@ class LearnerConfig:
     interval_unit: str = "requests"  # requests | records | tokens (generated tokens)
     position_policy: str = "rejected"  # which verified positions become training rows (recorder)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    steps_per_update: int = 20
-    batch_size: int = 8
-    lr: float = 1e-4
+    steps_per_update: int = 40
+    batch_size: int = 32  # examples per step: chain starts for a feature head, records for a draft LM
+    lr: float = 3e-4
     gate_fraction: float = 0.2  # the newest share of the buffer, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
+    source: str = "teacher"  # sampling source: teacher | student | mixed (recorder)
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
+    priority: str = "low"  # low: the OS runs the learner only on CPU time serving leaves; normal
+    cpu_share: float = 1.0  # the most wall time the learner computes (it sleeps the rest)
     chain_depth: int = 4  # feature heads: draft steps unrolled in training
 
     def __post_init__(self) -> None:
         if self.interval_unit not in UNITS:
             raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
-        if self.update_interval < 1 or self.steps_per_update < 1:
-            raise ValueError("update_interval and steps_per_update must be >= 1")
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown sampling source {self.source!r}: use one of {SOURCES}")
+        if self.priority not in ("low", "normal"):
+            raise ValueError(f"priority must be 'low' or 'normal', got {self.priority!r}")
+        if not 0.0 < self.cpu_share <= 1.0:
+            raise ValueError(f"cpu_share must lie in (0, 1], got {self.cpu_share}")
+        if self.update_interval < 1 or self.steps_per_update < 1 or self.threads < 1:
+            raise ValueError("update_interval, steps_per_update and threads must be >= 1")
 
 
 @dataclass
@@ -59,6 +77,7 @@ class UpdateReport:
     alpha_before: float  # on the held-out records, serving draft
     alpha_after: float  # candidate
     seconds: float
+    examples: int = 0  # training examples the update drew from (records, or chain starts for a head)
 
 
 class OnlineLearner:
@@ -69,8 +88,11 @@ class OnlineLearner:
         registry: DraftRegistry,
         config: LearnerConfig | None = None,
         background: bool = True,
+        on_event: Callable[[dict], None] | None = None,
     ) -> None:
+        """``on_event`` is called from the learner thread when an update starts and when it ends."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
+        self.on_event = on_event
         self.config = config or LearnerConfig()
         self.background = background
         self.reports: list[UpdateReport] = []
@@ -86,6 +108,9 @@ class OnlineLearner:
             proposer.swap_model(self._load_version(current), current)
             proposer.begin([])  # take it now: nothing is being served yet
             proposer.version = current
+        # the newest published draft: the next update starts from it even if the proposer has not
+        # taken it yet (it swaps between rounds), so no update's work is ever dropped
+        self._latest = (proposer.model, proposer.version)
 
     def _load_version(self, version: str):
         """A private copy of the serving draft holding ``version``'s weights."""
@@ -98,13 +123,14 @@ class OnlineLearner:
 
     def observe(self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True) -> None:
         """Record a served request (skipped when ``train`` is False) and start an update when due."""
-        record = record_from_generation(generation, self.config.position_policy, domain, request_id) if train else None
+        config = self.config
+        records = records_from_generation(generation, config.position_policy, config.source, domain, request_id) if train else []
         with self._lock:
-            if record is not None:
+            for record in records:
                 self.buffer.add(record)
-                self._records_seen += 1
+            self._records_seen += len(records)
             unit = self.config.interval_unit
-            self._count += {"requests": 1, "records": int(record is not None), "tokens": len(generation.token_ids)}[unit]
+            self._count += {"requests": 1, "records": len(records), "tokens": len(generation.token_ids)}[unit]
             due = self._count >= self.config.update_interval and not self.busy
             if due:
                 self._count = 0
@@ -143,17 +169,36 @@ class OnlineLearner:
             lambda model: evaluate(model, held_out, config),
         )
 
-    def _update(self) -> None:
+    def _budget(self) -> None:
+        """The learner thread's CPU budget: its torch threads and, at low priority, nice 19."""
         torch.set_num_threads(self.config.threads)
+        if self.config.priority == "low" and self.background and hasattr(os, "setpriority"):
+            try:  # on Linux a thread is a task: this renices the learner thread only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+
+    def _update(self) -> None:
+        serving_threads = torch.get_num_threads()
+        self._budget()
+        try:
+            self._run_update()
+        finally:
+            if not self.background:  # the update ran on the serving thread: give it its threads back
+                torch.set_num_threads(serving_threads)
+
+    def _run_update(self) -> None:
         start = time.perf_counter()
         with self._lock:
             records = self.buffer.records()
             records_seen = self._records_seen
         if len(records) < 2:
             return
+        if self.on_event:
+            self.on_event({"event": "update_start", "records": len(records), "parent": self._latest[1], "time": time.time()})
         held_out_n = max(1, int(len(records) * self.config.gate_fraction))
         train, held_out = records[:-held_out_n], records[-held_out_n:]
-        serving, parent = self.proposer.model, self.proposer.version
+        serving, parent = self._latest
         # private: the serving draft is never touched (a head shares only its frozen target tensors)
         candidate = serving.clone() if isinstance(serving, FeatureHead) else copy.deepcopy(serving)
         examples, step, evaluate_fn = self._objective(train, held_out)
@@ -163,9 +208,13 @@ class OnlineLearner:
         optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
         candidate.requires_grad_(True)
         generator = torch.Generator().manual_seed(len(self.reports))
+        share = self.config.cpu_share
         for _ in range(self.config.steps_per_update):
             pick = torch.randint(len(examples), (min(self.config.batch_size, len(examples)),), generator=generator).tolist()
+            tick = time.perf_counter()
             step(candidate, optimizer, [examples[i] for i in pick])
+            if share < 1.0:
+                time.sleep((time.perf_counter() - tick) * (1.0 - share) / share)
         candidate.requires_grad_(False).eval()
         after = evaluate_fn(candidate)
         version = None
@@ -180,11 +229,13 @@ class OnlineLearner:
                 "config": asdict(self.config),
             }
             version = self.registry.publish(candidate.state_dict(), meta)
+            self._latest = (candidate, version)
             self.proposer.swap_model(candidate, version)
             with self._lock:
-                self.buffer.after_update()
-        self.reports.append(
-            UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                         time.perf_counter() - start)
-        )
+                self.buffer.after_update(records)
+        report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
+                              time.perf_counter() - start, len(examples))
+        self.reports.append(report)
+        if self.on_event:
+            self.on_event({"event": "update", **asdict(report), "time": time.time()})
 

@@ -20,6 +20,16 @@ Feature heads (:mod:`onlinespec.drafts.feature_head`) learn along chains of cons
 positions, so when the trace carries the target's features the record keeps EVERY verified row
 (with the feature at ``t - 1`` of each and a flag for the rejection rows); the position policy
 is then applied by the learner when it picks the chains' starting points.
+
+Sampling source (PAPER.md section 2, honoured online, unlike the prototype):
+- ``"teacher"``: rows whose context is the served text, which the target wrote (above).
+- ``"student"``: rows whose context is the DRAFT's text. A round's verification also scored the
+  proposals after its first rejection: row ``j > n_accepted`` is the target's distribution given
+  the draft's own proposals up to ``j``. Each such branch becomes its own record (the request's
+  text up to the round, then the proposals), with every row kept, under either position policy:
+  all of them lie where the draft had already gone wrong. Rounds whose proposals were all
+  accepted hold no student rows beyond the teacher's (their context is the served text).
+- ``"mixed"``: both, i.e. every row the verification passes scored.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import torch
 from onlinespec.decoding.speculative import Generation
 
 POSITION_POLICIES = ("rejected", "verified")
+SOURCES = ("teacher", "student", "mixed")
 
 
 @dataclass
@@ -84,3 +95,40 @@ def record_from_generation(
         tokens, positions, torch.stack(ids), torch.stack(logprobs).float(), len(generation.prompt_ids), domain, request_id,
         torch.stack(features) if with_features else None, rejected if with_features else None,
     )
+
+
+def records_from_generation(
+    generation: Generation, policy: str = "rejected", source: str = "teacher", domain: str = "default", request_id: str = ""
+) -> list[DistillRecord]:
+    """The records of one traced request for a sampling ``source`` (see the module docstring)."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown sampling source {source!r}: use one of {SOURCES}")
+    records = []
+    if source in ("teacher", "mixed"):
+        record = record_from_generation(generation, policy, domain, request_id)
+        records += [record] if record is not None else []
+    if source in ("student", "mixed"):
+        records += student_records(generation, domain, request_id)
+    return records
+
+
+def student_records(generation: Generation, domain: str = "default", request_id: str = "") -> list[DistillRecord]:
+    """One record per round that rejected a proposal before its last: the rows after the first
+    rejection, whose context is the draft's own proposals (the target scored them all)."""
+    if not generation.trace and generation.token_ids:
+        raise ValueError("this generation carries no verification trace: decode with trace=True")
+    served = generation.prompt_ids + generation.token_ids
+    records = []
+    for round_ in generation.trace:
+        n, proposed = round_.n_accepted, len(round_.proposals)
+        if n >= proposed:  # every proposal accepted: no row was conditioned on a rejected one
+            continue
+        rows = list(range(n + 1, proposed + 1))  # row j: the target's distribution given proposals[:j]
+        tokens = served[: round_.position] + list(round_.proposals)
+        features = round_.target_features
+        records.append(DistillRecord(
+            tokens, [round_.position + j for j in rows], round_.target_top_ids[rows], round_.target_top_logprobs[rows].float(),
+            len(generation.prompt_ids), domain, f"{request_id}#student@{round_.position}",
+            features[rows] if features is not None else None, [True] * len(rows) if features is not None else None,
+        ))
+    return records

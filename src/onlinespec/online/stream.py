@@ -1,20 +1,33 @@
 """Run a query stream through the online system: serve each request with speculative decoding,
 record its trace, and let the learner update the draft in the background (PAPER.md section 3).
 
-Writes a JSONL event log (one line per request and per draft update) as it goes, and returns
-per-request rows and a summary (also per domain, with the moving average of alpha over the last
-50 requests, as the paper reports it).
+Writes a JSONL event log as it goes (one line per request, per update start and per update end)
+and returns per-request rows and a summary (also per domain, with the moving average of alpha
+over the last 50 requests, as the paper reports it).
+
+Side-by-side comparison (``compare_every = N``): every N-th request is also served, in the same
+process and right after the online system, by the STARTING draft kept static and by the target
+alone, so the three are measured on the same requests under the same machine load. After the
+stream, once the learner has stopped, those probe requests are served again by the static draft
+and the target alone: the ratio of the two passes is the serving throughput kept while the
+learner runs in the background (issue 4's 85% must-show), with the work held fixed.
+
+A request's row is written to the log only after its training record is in the durable buffer:
+a logged request is an acknowledged one, and a restart finds its record.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from onlinespec.api import make_proposer
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
 from onlinespec.data import Query
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
@@ -29,14 +42,29 @@ MOVING_AVERAGE = 50
 @dataclass
 class OnlineConfig:
     target: str = "default"
-    draft: str = "target-layers:2"
-    k: int = 2
+    draft: str = DEFAULT_DRAFT
+    k: int = DEFAULT_K
     dtype: str = "float32"
     max_new_tokens: int = 64
     learn: bool = True
     buffer_policy: str = "window"
     buffer_records: int = 2000
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    adaptive_k: bool = True  # per-round k from the measured cost curve (off: always k proposals)
+    kernels: bool = True  # small-batch linear kernels when they measure faster (shared by all decoders)
+    compare_every: int = 0  # serve every N-th request also with the static draft and the target alone
+
+    def __post_init__(self) -> None:
+        if self.compare_every < 0 or self.k < 0 or self.max_new_tokens < 1:
+            raise ValueError("compare_every >= 0, k >= 0 and max_new_tokens >= 1 are required")
+
+
+def _stats_row(stats) -> dict:
+    return {
+        "acceptance_rate": stats.acceptance_rate, "tau": stats.mean_accepted_length, "accepted": stats.accepted,
+        "judged": stats.accepted + stats.rejected, "new_tokens": stats.new_tokens, "seconds": stats.seconds,
+        "tokens_per_s": stats.tokens_per_s,
+    }
 
 
 def run_stream(
@@ -44,71 +72,140 @@ def run_stream(
     config: OnlineConfig,
     out_dir: str | Path,
     on_request: Callable[[dict], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
 ) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    say = on_status or (lambda text: None)
+    say("loading the target and the draft")
     target = load_model(config.target, config.dtype)
     proposer = make_proposer(config.draft, target, config.dtype).proposer
     if config.learn and not hasattr(proposer, "swap_model"):
         raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {config.draft!r}")
-    decoder = SpeculativeDecoder(target.model, target.tokenizer, proposer, k=config.k)
+    say("measuring the target's verify-cost curve")
+    options = engine_options(target, config.k, adaptive=config.adaptive_k, kernels=config.kernels) if proposer else {}
+    decoder = SpeculativeDecoder(target.model, target.tokenizer, proposer, k=config.k, **options)
+    static = alone = None
+    if config.compare_every:  # the starting draft, never updated, and the target alone: same target, same kernels
+        static_options = dict(options, adaptive_k=copy.deepcopy(options.get("adaptive_k")))  # its own acceptance statistics
+        static = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(config.draft, target, config.dtype).proposer,
+                                    k=config.k, **static_options)
+        alone = SpeculativeDecoder(target.model, target.tokenizer, None)
+
+    events = open(out_dir / "events.jsonl", "a")
+    write_lock = threading.Lock()
+
+    def log(event: dict) -> None:
+        with write_lock:
+            events.write(json.dumps(event) + "\n")
+            events.flush()
+
     learner = None
+    rows: list[dict] = []
     if config.learn:
         buffer = ReplayBuffer(out_dir / "buffer", config.buffer_policy, max_records=config.buffer_records)
-        learner = OnlineLearner(proposer, buffer, DraftRegistry(out_dir / "drafts"), config.learner)
-    rows: list[dict] = []
-    logged = 0  # update reports already written to the event log
-
-    def log_updates(events, after_request: int) -> None:
-        nonlocal logged
-        for report in learner.reports[logged:]:
-            events.write(json.dumps({"event": "update", "after_request": after_request, **asdict(report)}) + "\n")
-        logged = len(learner.reports)
-
-    with open(out_dir / "events.jsonl", "a") as events:
+        learner = OnlineLearner(proposer, buffer, DraftRegistry(out_dir / "drafts"), config.learner,
+                                on_event=lambda event: log({**event, "requests_served": len(rows)}))
+        log({"event": "start", "draft_version": proposer.version, "buffer_records": len(buffer), "time": time.time()})
+    probes: list[tuple[int, Query]] = []
+    try:
         for i, query in enumerate(queries):
             params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
-            out = decoder.generate(list(query.messages) if query.messages else query.prompt, params, trace=learner is not None)
-            stats = out.stats
-            row = {
-                "i": i, "id": query.id, "domain": query.domain, "acceptance_rate": stats.acceptance_rate,
-                "mean_accepted_length": stats.mean_accepted_length, "draft_version": proposer.version,
-                "new_tokens": stats.new_tokens, "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_s,
-                "time": time.time(),
-            }
+            prompt = list(query.messages) if query.messages else query.prompt
+            busy = learner is not None and learner.busy
+            version = getattr(proposer, "version", None)
+            out = decoder.generate(prompt, params, trace=learner is not None)
+            row = {"i": i, "id": query.id, "domain": query.domain, "draft_version": version, **_stats_row(out.stats),
+                   "learner_busy": busy or (learner is not None and learner.busy), "time": time.time()}
+            if config.compare_every and i % config.compare_every == 0:
+                row["static"], row["target_alone"], row["identical"] = _probe(static, alone, prompt, params, out.token_ids, len(probes))
+                probes.append((len(rows), query))
             window = rows[-(MOVING_AVERAGE - 1):] + [row]
             row["alpha_moving_average"] = sum(r["acceptance_rate"] for r in window) / len(window)
             rows.append(row)
-            events.write(json.dumps({"event": "request", **row}) + "\n")
             if learner is not None:
-                learner.observe(out, query.domain, query.id, train=query.train)
-                log_updates(events, i)
-            events.flush()
+                learner.observe(out, query.domain, query.id, train=query.train)  # durable before the row is logged
+            log({"event": "request", **row})
             if on_request:
                 on_request(row)
         if learner is not None:
+            say("waiting for the update in flight")
             learner.wait()
-            log_updates(events, len(queries) - 1)
+        if probes and learner is not None:
+            say(f"serving the {len(probes)} probe requests again with the learner stopped")
+            for n, (index, query) in enumerate(probes):
+                params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
+                prompt = list(query.messages) if query.messages else query.prompt
+                row = rows[index]
+                row["static_learning_off"], row["target_alone_learning_off"], _ = _probe(static, alone, prompt, params, None, n)
+    finally:
+        events.close()
     return summarize(rows, config, learner)
+
+
+def _probe(static: SpeculativeDecoder, alone: SpeculativeDecoder, prompt, params: SamplingParams, served, turn: int):
+    """Serve one request with the static draft and with the target alone (alternating which goes
+    first); whether all outputs are identical (greedy) when ``served`` is given."""
+    order = [("static", static), ("alone", alone)][:: 1 if turn % 2 == 0 else -1]
+    outs = {name: decoder.generate(prompt, params) for name, decoder in order}
+    identical = None if served is None else outs["static"].token_ids == served == outs["alone"].token_ids
+    return _stats_row(outs["static"].stats), _stats_row(outs["alone"].stats), identical
+
+
+def _throughput(rows: list[dict], key: str | None = None) -> float:
+    part = [r[key] if key else r for r in rows]
+    seconds = sum(p["seconds"] for p in part)
+    return sum(p["new_tokens"] for p in part) / seconds if seconds else 0.0
+
+
+def _median_ratio(rows: list[dict], a: str | None, b: str) -> float:
+    ratios = [(r[a] if a else r)["tokens_per_s"] / r[b]["tokens_per_s"] for r in rows if r[b]["tokens_per_s"]]
+    return statistics.median(ratios) if ratios else 0.0
 
 
 def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | None) -> dict:
     def figures(part: list[dict]) -> dict:
-        tokens, seconds = sum(r["new_tokens"] for r in part), sum(r["seconds"] for r in part)
         head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
+        alpha = lambda rs: sum(r["accepted"] for r in rs) / max(1, sum(r["judged"] for r in rs))  # noqa: E731
         return {
             "n_requests": len(part),
-            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "tokens_per_s": _throughput(part),
             "acceptance_rate_mean": sum(r["acceptance_rate"] for r in part) / len(part),
+            "acceptance_rate_pooled": alpha(part),
             "acceptance_rate_first_50": sum(r["acceptance_rate"] for r in head) / len(head),
             "acceptance_rate_last_50": sum(r["acceptance_rate"] for r in tail) / len(tail),
+            "tau_mean": sum(r["tau"] for r in part) / len(part),
         }
 
     domains = list(dict.fromkeys(r["domain"] for r in rows))
-    return {
+    result = {
         "config": asdict(config),
-        "summary": figures(rows),
+        "summary": figures(rows) if rows else {},
         "domains": {d: figures([r for r in rows if r["domain"] == d]) for d in domains},
         "updates": [asdict(r) for r in learner.reports] if learner else [],
         "requests": rows,
     }
+    probed = [r for r in rows if "static" in r]
+    if probed:
+        comparison = {
+            "n_requests": len(probed),
+            "identical": sum(bool(r["identical"]) for r in probed),
+            "tokens_per_s": {"online": _throughput(probed), "static": _throughput(probed, "static"),
+                             "target_alone": _throughput(probed, "target_alone")},
+            "median_ratio": {"online/target_alone": _median_ratio(probed, None, "target_alone"),
+                             "static/target_alone": _median_ratio(probed, "static", "target_alone"),
+                             "online/static": _median_ratio(probed, None, "static")},
+            "acceptance_rate": {"online": figures(probed)["acceptance_rate_pooled"],
+                                "static": sum(r["static"]["accepted"] for r in probed) / max(1, sum(r["static"]["judged"] for r in probed))},
+        }
+        off = [r for r in probed if "static_learning_off" in r]
+        if off:  # the same probe requests, with the learner running vs stopped
+            comparison["learning_on_vs_off"] = {
+                "static": _throughput(off, "static") / _throughput(off, "static_learning_off"),
+                "target_alone": _throughput(off, "target_alone") / _throughput(off, "target_alone_learning_off"),
+                "static_median_ratio": _median_ratio([{**r, "x": r["static"]} for r in off], "x", "static_learning_off"),
+                "target_alone_median_ratio": _median_ratio([{**r, "x": r["target_alone"]} for r in off], "x", "target_alone_learning_off"),
+                "requests_with_learner_busy": sum(r["learner_busy"] for r in off),
+            }
+        result["comparison"] = comparison
+    return result
