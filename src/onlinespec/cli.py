@@ -48,7 +48,6 @@ def generate(
 ) -> None:
     """Generate text for one prompt, streaming it to stdout."""
     from onlinespec.api import load_decoder
-    from onlinespec.decoding.sampling import SamplingParams
 
     params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
     with console.status("loading models"):
@@ -172,28 +171,30 @@ def distill(
 
 @app.command()
 def demo(
-    n_prompts: Annotated[int, typer.Option(min=3, help="packaged real prompts (chat, code, math)")] = 9,
+    per_domain: Annotated[int, typer.Option(min=2, help="requests per domain block of the stream")] = 20,
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts)")] = "code,math,chat",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
-    out_dir: Annotated[Path, typer.Option(help="where the JSON results go")] = Path("runs/demo"),
+    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I requests")] = 10,
+    out_dir: Annotated[Path, typer.Option(help="stream, buffer, draft registry, event log, results and report")] = Path("runs/demo"),
 ) -> None:
-    """The main job on the embedded default: speculative decoding with the default draft (n-gram
-    lookup + the packaged feature head, adaptive k) and with n-gram lookup alone, on held-out real
-    prompts, side by side with the target alone and HF assisted generation."""
-    from onlinespec.api import DEFAULT_DTYPE
-    from onlinespec.benchmark import BenchConfig
-    from onlinespec.data import packaged_prompts
+    """The main job on the embedded default: a real query stream with domain shifts, served by
+    the default draft (n-gram lookup + the packaged feature head, adaptive k) while it learns
+    online; every request is also served by the same draft kept static and by the target alone,
+    and the report compares the three."""
+    from onlinespec.data import write_queries_jsonl
+    from onlinespec.data.sources import english_pools
+    from onlinespec.data.streams import abrupt_shifts, split
+    from onlinespec.online.stream import OnlineConfig
 
-    from onlinespec.models import load_model
-
-    queries = packaged_prompts(n_prompts, seed=1, split="heldout")
-    target = load_model("default", DEFAULT_DTYPE)
-    for draft, k in ((DEFAULT_DRAFT, DEFAULT_K), ("ngram", 4)):
-        console.rule(f"draft {draft}, k = {k}")
-        config = BenchConfig(draft=draft, k=k, dtype=DEFAULT_DTYPE, max_new_tokens=max_new_tokens, adaptive_k=True)
-        summary = _run_bench(queries, config, target)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"bench-{draft.replace(':', '-')}.json").write_text(json.dumps(summary, indent=2))
-        print_bench(summary)
+    names = [d.strip() for d in domains.split(",") if d.strip()]
+    pools = _user_errors(lambda: {d: split(q, "online") for d, q in english_pools(names).items()})
+    queries = _user_errors(lambda: abrupt_shifts(pools, per_domain, seed=0))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_queries_jsonl(queries, out_dir / "stream.jsonl")
+    learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
+    config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=1, check_learning_off=False, learner=learner)
+    _serve_online(queries, config, out_dir / "run", out_dir / "online.json",
+                  f"Online demo: {' -> '.join(names)}, {per_domain} requests each, default draft {DEFAULT_DRAFT}")
 
 
 @app.command()
@@ -227,8 +228,7 @@ def online(
     """Serve a query stream with speculative decoding while the draft learns from it."""
     from onlinespec.data import read_queries_jsonl
     from onlinespec.distill.step import DistillConfig
-    from onlinespec.online.report import write_report
-    from onlinespec.online.stream import OnlineConfig, run_stream
+    from onlinespec.online.stream import OnlineConfig
 
     queries = _user_errors(lambda: read_queries_jsonl(stream))
     if not queries:
@@ -241,30 +241,42 @@ def online(
     ))
     config = _user_errors(lambda: OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner,
                                                adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every))
+    label = "online" if learn else "static"
+    _serve_online(queries, config, out_dir, json_out, f"{label} draft {draft}, k = {k}")
+
+
+def _serve_online(queries, config, out_dir: Path, json_out: Path, title: str) -> dict:
+    """Serve ``queries`` with live progress, then write the results JSON and the report."""
+    from onlinespec.online.report import write_report
+    from onlinespec.online.stream import run_stream
+
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("online" if learn else "static", total=len(queries), info="")
+        task = progress.add_task("online" if config.learn else "static", total=len(queries), info="")
 
         def on_request(row):
             info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {row['tokens_per_s']:.1f} tok/s  "
                     f"draft {row['draft_version']}  {row['domain']}")
+            if "static" in row:
+                info += f"  | static {row['static']['tokens_per_s']:.1f}, target alone {row['target_alone']['tokens_per_s']:.1f} tok/s"
             progress.update(task, advance=1, info=info)
 
         result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request, lambda text: progress.update(task, info=text)))
     result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
-    label = "online" if learn else "static"
-    report = write_report({label: result}, out_dir, f"{label} draft {draft}, k = {k}", result["command"])
+    report = write_report({"online" if config.learn else "static": result}, out_dir, title, result["command"])
     summary = result["summary"]
     out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s, alpha first 50 "
               f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
               f"{len(result['updates'])} updates. Report: {report}")
     if "comparison" in result:
         c = result["comparison"]
-        out.print(f"same requests ({c['n_requests']}): online {c['tokens_per_s']['online']:.1f} tok/s, static "
-                  f"{c['tokens_per_s']['static']:.1f}, target alone {c['tokens_per_s']['target_alone']:.1f}; identical "
-                  f"{c['identical']}/{c['n_requests']}")
+        tps = c["tokens_per_s"]
+        out.print(f"same {c['n_requests']} requests: online {tps['online']:.1f} tok/s, static {tps['static']:.1f}, target alone "
+                  f"{tps['target_alone']:.1f} (online / static {tps['online'] / tps['static']:.2f}x, online / target alone "
+                  f"{tps['online'] / tps['target_alone']:.2f}x); greedy identical {c['identical']}/{c['n_requests']}")
+    return result
 
 
 @app.command()

@@ -30,6 +30,7 @@ def write_report(results: dict[str, dict], out_dir: str | Path, title: str, comm
         published = [u for u in result["updates"] if u["version"]]
         if result["updates"]:
             lines += ["", f"{label}: {len(result['updates'])} updates, {len(published)} published (gate refused the rest)."]
+        lines += comparison_lines(label, result.get("comparison"))
     lines += ["", f"![alpha over requests]({plot.name})", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
@@ -41,6 +42,10 @@ def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
     for label, result in results.items():
         rows = result["requests"]
         ax.plot([r["i"] for r in rows], [r["alpha_moving_average"] for r in rows], label=label)
+        if rows and all("static" in r for r in rows):  # served by the static draft too: its curve, live
+            rates = [r["static"]["acceptance_rate"] for r in rows]
+            average = [sum(rates[max(0, i - 49): i + 1]) / len(rates[max(0, i - 49): i + 1]) for i in range(len(rates))]
+            ax.plot([r["i"] for r in rows], average, label="static draft (same requests)", linestyle="--")
     rows = next(iter(results.values()))["requests"]
     for i in range(1, len(rows)):
         if rows[i]["domain"] != rows[i - 1]["domain"]:
@@ -57,3 +62,26 @@ def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def comparison_lines(label: str, comparison: dict | None) -> list[str]:
+    """The side-by-side table of a run served with ``compare_every``: the same requests served by
+    the online system, the static starting draft and the target alone, in one process."""
+    if not comparison:
+        return []
+    tps, ratio = comparison["tokens_per_s"], comparison["median_ratio"]
+    alpha = comparison["acceptance_rate"]
+    lines = [
+        "", f"### {label}: the same {comparison['n_requests']} requests, three ways (one run)", "",
+        "| | online draft | static draft | target alone |", "|---|---|---|---|",
+        f"| tokens/s | {tps['online']:.1f} | {tps['static']:.1f} | {tps['target_alone']:.1f} |",
+        f"| median ratio to target alone | {ratio['online/target_alone']:.2f}x | {ratio['static/target_alone']:.2f}x | 1.00x |",
+        f"| alpha | {alpha['online']:.3f} | {alpha['static']:.3f} | - |",
+        "", f"Online / static: {tps['online'] / tps['static']:.2f}x pooled, {ratio['online/static']:.2f}x median per request. "
+        f"Greedy output identical on {comparison['identical']}/{comparison['n_requests']}.",
+    ]
+    onoff = comparison.get("learning_on_vs_off")
+    if onoff:
+        lines.append(f"Serving throughput with the learner running, relative to learner stopped (same requests, fixed work): "
+                     f"static draft {onoff['static']:.1%}, target alone {onoff['target_alone']:.1%}.")
+    return lines

@@ -53,6 +53,7 @@ class OnlineConfig:
     adaptive_k: bool = True  # per-round k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster (shared by all decoders)
     compare_every: int = 0  # serve every N-th request also with the static draft and the target alone
+    check_learning_off: bool = True  # serve those requests again once the learner has stopped
 
     def __post_init__(self) -> None:
         if self.compare_every < 0 or self.k < 0 or self.max_new_tokens < 1:
@@ -131,7 +132,7 @@ def run_stream(
         if learner is not None:
             say("waiting for the update in flight")
             learner.wait()
-        if probes and learner is not None:
+        if probes and learner is not None and config.check_learning_off:
             say(f"serving the {len(probes)} probe requests again with the learner stopped")
             for n, (index, query) in enumerate(probes):
                 params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
