@@ -110,3 +110,16 @@ def test_drafts_lists_versions_and_rolls_back(tmp_path):
     assert named.exit_code == 2 and "no draft version" in named.output
     assert runner.invoke(app, ["drafts", "rollback", "--dir", str(tmp_path / "drafts"), "--to", "v0002"]).exit_code == 0
     assert registry.current() == "v0002"
+
+
+@pytest.mark.slow
+def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(tmp_path):
+    result = runner.invoke(app, ["demo", "--per-domain", "2", "--max-new-tokens", "6", "--update-interval", "2",
+                                 "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "online.json").read_text())
+    assert [r["domain"] for r in data["requests"]] == ["code", "code", "math", "math", "chat", "chat"]
+    comparison = data["comparison"]
+    assert comparison["n_requests"] == 6 and comparison["identical"] == 6
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0

@@ -112,3 +112,17 @@ def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thr
         answer = signal.ids[int(signal.starts[i] + signal.prompt_lens[i]): int(signal.starts[i + 1])]
         assert out.token_ids == answer.tolist()
         assert (accepted, judged) == (out.stats.accepted, out.stats.accepted + out.stats.rejected)
+
+
+def test_stop_abandons_the_update_in_flight_without_publishing(tiny_llama, tmp_path, one_thread):
+    target, head = make(tiny_llama)
+    proposer = FeatureHeadProposer(head)
+    registry = DraftRegistry(tmp_path / "drafts")
+    learner = OnlineLearner(proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), registry,
+                            LearnerConfig(update_interval=2, steps_per_update=100_000, position_policy="verified", priority="normal"))
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    for prompt in ([3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8]):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    assert learner.busy
+    learner.stop()
+    assert not learner.busy and registry.versions() == ["v0001"] and not learner.reports

@@ -100,6 +100,8 @@ class OnlineLearner:
         self._records_seen = 0
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the buffer between serving and learner threads
+        self._cancel = threading.Event()
+        self.steps_done = 0  # optimizer steps taken by all updates (cancelled ones included)
         current = registry.current()
         if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft"})
@@ -135,11 +137,18 @@ class OnlineLearner:
             if due:
                 self._count = 0
         if due:
-            if self.background:
-                self._thread = threading.Thread(target=self._update, name="onlinespec-learner", daemon=True)
-                self._thread.start()
-            else:
-                self._update()
+            self.start_update()
+
+    def start_update(self) -> bool:
+        """Start an update now (in the background thread when ``background``); False if one is running."""
+        if self.busy:
+            return False
+        if self.background:
+            self._thread = threading.Thread(target=self._update, name="onlinespec-learner", daemon=True)
+            self._thread.start()
+        else:
+            self._update()
+        return True
 
     @property
     def busy(self) -> bool:
@@ -149,6 +158,12 @@ class OnlineLearner:
         """Block until the update in flight (if any) ends: for shutdown and tests, never serving."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stop(self) -> None:
+        """Abandon the update in flight (it publishes nothing) and wait for its thread to end."""
+        self._cancel.set()
+        self.wait()
+        self._cancel.clear()
 
     # ---- the update (learner thread) ------------------------------------------------------------
 
@@ -211,8 +226,11 @@ class OnlineLearner:
         share = self.config.cpu_share
         for _ in range(self.config.steps_per_update):
             pick = torch.randint(len(examples), (min(self.config.batch_size, len(examples)),), generator=generator).tolist()
+            if self._cancel.is_set():
+                return
             tick = time.perf_counter()
             step(candidate, optimizer, [examples[i] for i in pick])
+            self.steps_done += 1
             if share < 1.0:
                 time.sleep((time.perf_counter() - tick) * (1.0 - share) / share)
         candidate.requires_grad_(False).eval()
