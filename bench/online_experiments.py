@@ -8,7 +8,7 @@ and maths in 23 languages are domains it was not trained on. Streams come from t
 - abrupt: 300 code -> 300 maths (23 languages) -> 300 chat, served by the online system with the
   learner in the background; every 10th request also by the static starting draft and the target
   alone (same process, same load), then again with the learner stopped (its cost on serving);
-- gradual: 450 requests of the same queries, each block's next domain mixing in from 0 to 100%.
+- gradual: 300 requests of the same queries, each block's next domain mixing in from 0 to 100%.
 
 References: the starting draft distilled OFFLINE on the first 30%, 70% and 100% of each domain's
 stream requests (the target's greedy answers, teacher-forced, as in the paper's Figure 4). A draft
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 WORK = ROOT / "runs" / "online-exp"
 PER_DOMAIN = 300
-GRADUAL_EVERY = 150
+GRADUAL_EVERY = 100
 MAX_PROMPT_TOKENS = 256
 NEW_TOKENS = 64
 K = 4

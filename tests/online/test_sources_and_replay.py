@@ -126,3 +126,19 @@ def test_stop_abandons_the_update_in_flight_without_publishing(tiny_llama, tmp_p
     assert learner.busy
     learner.stop()
     assert not learner.busy and registry.versions() == ["v0001"] and not learner.reports
+
+
+def test_updates_carry_the_optimizer_on_from_the_last_published_draft(tiny_llama, tmp_path, one_thread):
+    target, head = make(tiny_llama)
+    proposer = FeatureHeadProposer(head)
+    learner = OnlineLearner(proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), DraftRegistry(tmp_path / "drafts"),
+                            LearnerConfig(update_interval=100, steps_per_update=5, position_policy="verified", gate_margin=1.0),
+                            background=False)
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    for prompt in ([3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8]):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    learner.start_update()
+    learner.start_update()
+    assert [r.version for r in learner.reports] == ["v0002", "v0003"]
+    steps = {int(s["step"]) for s in learner._optimizer_state["state"].values()}
+    assert steps == {10}  # Adam's moments went on from the first update instead of restarting

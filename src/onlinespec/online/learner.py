@@ -9,7 +9,7 @@ when the current one ends and the count is reached again.
 CPU budget. The learner thread runs ``threads`` torch threads. At ``priority="low"`` (the
 default) the OS runs it at the lowest priority (nice 19, for that thread only), so it takes only
 the CPU time serving leaves: on a 2-core machine that serving saturates, an update takes longer
-but requests keep their speed (docs/online.md measures both). ``cpu_share`` caps the share of
+but requests keep their speed (docs/learner-overhead.md and docs/online-experiments.md measure both). ``cpu_share`` caps the share of
 wall time the learner computes (it sleeps between steps), for machines where it runs at normal
 priority.
 """
@@ -39,7 +39,7 @@ UNITS = ("requests", "records", "tokens")
 
 @dataclass
 class LearnerConfig:
-    update_interval: int = 50  # I
+    update_interval: int = 25  # I
     interval_unit: str = "requests"  # requests | records | tokens (generated tokens)
     position_policy: str = "rejected"  # which verified positions become training rows (recorder)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -113,6 +113,7 @@ class OnlineLearner:
         # the newest published draft: the next update starts from it even if the proposer has not
         # taken it yet (it swaps between rounds), so no update's work is ever dropped
         self._latest = (proposer.model, proposer.version)
+        self._optimizer_state: dict | None = None  # the optimizer of the newest published draft
 
     def _load_version(self, version: str):
         """A private copy of the serving draft holding ``version``'s weights."""
@@ -221,6 +222,10 @@ class OnlineLearner:
             return
         before = evaluate_fn(serving)
         optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
+        if self._optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
+            optimizer.load_state_dict(self._optimizer_state)
+            for group in optimizer.param_groups:
+                group["lr"] = self.config.lr
         candidate.requires_grad_(True)
         generator = torch.Generator().manual_seed(len(self.reports))
         share = self.config.cpu_share
@@ -248,6 +253,7 @@ class OnlineLearner:
             }
             version = self.registry.publish(candidate.state_dict(), meta)
             self._latest = (candidate, version)
+            self._optimizer_state = copy.deepcopy(optimizer.state_dict())
             self.proposer.swap_model(candidate, version)
             with self._lock:
                 self.buffer.after_update(records)
