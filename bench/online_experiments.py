@@ -16,7 +16,7 @@ that never served the stream is scored on it by replaying speculative decoding o
 answers (:func:`onlinespec.drafts.train.replay_acceptance`): exact for greedy fixed-k decoding, and
 checked here against the live static probes.
 
-    python bench/online_experiments.py                 # ~80 min on 2 CPU cores; stages are cached
+    python bench/online_experiments.py                 # ~95 min on 2 CPU cores; stages are cached
     python bench/online_experiments.py --report-only   # tables and plots from the saved results
 
 Writes docs/online-experiments.md, docs/online-fig3.png, docs/online-fig4.png and
@@ -265,7 +265,11 @@ def report(out: dict) -> None:
              "last 50 requests. The online curve is measured live. Static drafts (the starting draft, and the starting "
              "draft distilled offline on the first 30/70/100% of each domain's stream requests) are scored by replaying "
              "speculative decoding over the target's greedy answers, which a test shows equal to a live fixed-k run; "
-             "the live static probes below check it on this stream.", ""]
+             "the live static probes below check it on this stream.", "",
+             "**Read the static references with care.** They were distilled on the stream's own answers, so on the "
+             "requests they were trained on they recite memorised text (alpha 0.74-0.80: the flat top of each curve), "
+             "and on the rest of the segment they fall to 0.37-0.55 (the 30% and 70% curves after their cut). The "
+             "held-out table at the end shows the same drafts on prompts nobody trained on.", ""]
 
     # ---- Figure 4: abrupt and gradual
     fig, axes = plt.subplots(2, 1, figsize=(11, 7.5))
@@ -277,9 +281,9 @@ def report(out: dict) -> None:
         for n, ref in enumerate(refs):
             ax.plot(range(len(rows)), moving_average([replay[ref][q] for q in ids]), label=ref, color=f"C{n}", linewidth=1)
         for domain, a, b in segments(rows):
-            if a:
-                ax.axvline(a, color="grey", linestyle="--", linewidth=0.8)
             if name == "abrupt":
+                if a:
+                    ax.axvline(a, color="grey", linestyle="--", linewidth=0.8)
                 ax.text((a + b) / 2, 1.0, domain, ha="center", va="bottom", transform=ax.get_xaxis_transform())
         ax.set_title(f"{name} shifts: code -> maths (23 languages) -> chat", pad=14)
         ax.set_xlabel("request")
@@ -369,6 +373,29 @@ def report(out: dict) -> None:
               "| draft | " + " | ".join(DOMAIN_ORDER) + " |", "|---|" + "---|" * len(DOMAIN_ORDER)]
     for name, by in held.items():
         lines.append(f"| {name} | " + " | ".join(f"{by[d]:.3f}" for d in DOMAIN_ORDER) + " |")
+    start_chat, after_code_chat = held["static (starting draft)"]["chat"], next(v for k, v in held.items() if k.startswith("online after code"))["chat"]
+    lines += ["", "## Findings", "",
+              f"- **Maths, unseen by the starting head, is learnt online:** alpha {summary['math_ml']['first_50']:.3f} over the "
+              f"segment's first 50 requests, {summary['math_ml']['last_50']:.3f} over its last 50 ({summary['math_ml']['rise']:+.3f}); "
+              "the static head stays near 0.15. On held-out maths prompts the final online head reaches "
+              f"{list(held.values())[-1]['math_ml']:.3f} against the starting head's {held['static (starting draft)']['math_ml']:.3f}.",
+              f"- **Code is not learnt, and chat is forgotten:** after the code segment the head is no better on code, and its "
+              f"held-out chat alpha fell from {start_chat:.3f} to {after_code_chat:.3f}; it never recovered on the chat segment. "
+              "Every update trains on the whole window buffer with a constant learning rate of 1e-3, and the gate judges a "
+              "candidate only on the newest 20% of records, which never include the domains it may be damaging.",
+              "- **Part of the damage was a fault, now fixed:** each update built a fresh AdamW, whose first steps move every "
+              "weight by about the learning rate. Simulating the code segment offline with the same schedule "
+              "(`python bench/online_sim.py 25 40 64 1e-3 code [fresh]`: train on the answers so far, score the next 25 by "
+              "replay), a fresh optimizer per update ends at 0.33-0.34 and a persistent one at 0.35-0.36 (the learner now "
+              "carries the optimizer state on): a small part of the gap. Neither reaches the 30% reference's 0.37-0.40 on "
+              "code requests it did not see.",
+              "- **The static references are not reachable targets here:** within 0.05 of the 100% reference means reciting "
+              "answers it memorised; on held-out prompts the 100% reference scores 0.41 / 0.48 / 0.49 (code / maths / chat).",
+              "- **The learner costs serving almost nothing** at the lowest OS priority (97-98% of learning-off throughput), "
+              "but it learns slowly on 2 saturated cores: an update of 40 steps took a median 148 s, one per 40-50 requests.",
+              "- **Next:** hold out a slice of every domain seen so far in the gate (not only the newest records), mix "
+              "recent and older records per batch, lower the learning rate with the persistent optimizer, and rerun with the "
+              "hybrid proposer (n-gram lookup carries code)."]
     out["must_show"] = summary
     (DOCS / "online-experiments.md").write_text("\n".join(lines) + "\n")
     (DOCS / "online-experiments.json").write_text(json.dumps({k: v for k, v in out.items() if k != "replay"} | {

@@ -190,7 +190,7 @@ def demo(
     pools = _user_errors(lambda: {d: split(q, "online") for d, q in english_pools(names).items()})
     queries = _user_errors(lambda: abrupt_shifts(pools, per_domain, seed=0))
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_queries_jsonl(queries, out_dir / "stream.jsonl")
+    write_queries_jsonl(out_dir / "stream.jsonl", queries)
     learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
     config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=1, check_learning_off=False, learner=learner)
     _serve_online(queries, config, out_dir / "run", out_dir / "online.json",

@@ -1,0 +1,53 @@
+"""Offline simulation of online learning on one domain of the experiments' stream (fast tuning).
+
+Every I requests, S steps of batch B at learning rate LR on all of the domain's answers so far
+(the target's greedy answers, as the online recorder keeps them), then the next I requests are
+scored by replaying speculative decoding (k = 4). ``fresh`` builds a new AdamW for every update,
+as the learner did before it carried the optimizer state on.
+
+    python bench/online_sim.py I S B LR DOMAIN [fresh]     # e.g. 25 40 64 1e-3 code: ~1 min
+
+Needs the stream's signal (the first stage of bench/online_experiments.py builds and caches it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_experiments import original_head, streams, teacher_signal  # noqa: E402
+
+from onlinespec.api import load_head  # noqa: E402
+from onlinespec.distill.step import DistillConfig  # noqa: E402
+from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance  # noqa: E402
+from onlinespec.models import load_model  # noqa: E402
+
+
+def main() -> None:
+    interval, steps, batch, lr, domain = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    fresh = len(sys.argv) > 6 and sys.argv[6] == "fresh"
+    target = load_model("default", "float32")
+    signal = teacher_signal(target, streams(target.tokenizer)[0])
+    index = [i for i, d in enumerate(signal.domains) if d == domain]
+    head = load_head(original_head(target), target)
+    make = lambda: torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)  # noqa: E731
+    optimizer, generator, curve, started = make(), torch.Generator().manual_seed(0), [], time.time()
+    for start in range(0, len(index), interval):
+        scored = replay_acceptance(head, signal.select(index[start: start + interval]), 4)
+        curve.append(sum(a for a, _ in scored) / sum(j for _, j in scored))
+        task = ChainTask(signal.select(index[: start + interval]), ChainConfig(generated_only=True))
+        if fresh:
+            optimizer = make()
+        for _ in range(steps):
+            pick = torch.randint(len(task), (batch,), generator=generator)
+            task.step(head, optimizer, task.starts[pick].tolist(), DistillConfig())
+    print(interval, steps, batch, lr, domain, "fresh" if fresh else "persistent", " ".join(f"{c:.3f}" for c in curve),
+          f"{time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
