@@ -222,7 +222,7 @@ def main() -> None:
         "settings": {"per_domain": PER_DOMAIN, "gradual_every": GRADUAL_EVERY, "k": K, "new_tokens": NEW_TOKENS,
                      "max_prompt_tokens": MAX_PROMPT_TOKENS, "learner": LEARNER, "math_languages": MATH_LANGUAGES,
                      "heldout_per_domain": HELDOUT_PER_DOMAIN, "date": time.strftime("%Y-%m-%d"), "torch_threads": torch_threads()},
-        "runs": {name: {k: v for k, v in r.items() if k != "config"} | {"config": r["config"]} for name, r in results.items()},
+        "runs": results,
         "replay": replay_stream(target, heads, signal),
         "heldout": {name: by_domain(heldout, counts) for name, counts in replay_stream(target, forgetting_heads, heldout).items()},
     }
@@ -230,10 +230,11 @@ def main() -> None:
     report(out)
 
 
-def moving_average(pairs: list, window: int = 50) -> list[float]:
-    """Per request, the mean per-request alpha over the last ``window`` requests (as the paper plots it)."""
-    rates = [a / j if j else 0.0 for a, j in pairs]
-    return [statistics.fmean(rates[max(0, i + 1 - window): i + 1]) for i in range(len(rates))]
+def moving_average(pairs: list) -> list[float]:
+    """Per request, the mean per-request alpha over the last 50 requests (as the paper plots it)."""
+    from onlinespec.online.stream import moving_average as average
+
+    return average([a / j if j else 0.0 for a, j in pairs])
 
 
 def segments(rows: list) -> list[tuple[str, int, int]]:

@@ -117,8 +117,7 @@ class OnlineLearner:
 
     def _load_version(self, version: str):
         """A private copy of the serving draft holding ``version``'s weights."""
-        serving = self.proposer.model
-        model = serving.clone() if isinstance(serving, FeatureHead) else copy.deepcopy(serving)
+        model = _private_copy(self.proposer.model)
         model.load_state_dict(self.registry.load(version), strict=False)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
@@ -216,7 +215,7 @@ class OnlineLearner:
         train, held_out = records[:-held_out_n], records[-held_out_n:]
         serving, parent = self._latest
         # private: the serving draft is never touched (a head shares only its frozen target tensors)
-        candidate = serving.clone() if isinstance(serving, FeatureHead) else copy.deepcopy(serving)
+        candidate = _private_copy(serving)
         examples, step, evaluate_fn = self._objective(train, held_out)
         if not examples:
             return
@@ -263,3 +262,8 @@ class OnlineLearner:
         if self.on_event:
             self.on_event({"event": "update", **asdict(report), "time": time.time()})
 
+
+
+def _private_copy(model):
+    """A copy to train: a head shares only its frozen target tensors, a draft LM is copied whole."""
+    return model.clone() if isinstance(model, FeatureHead) else copy.deepcopy(model)

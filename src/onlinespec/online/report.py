@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from onlinespec.online.stream import moving_average  # noqa: E402
+
 
 def write_report(results: dict[str, dict], out_dir: str | Path, title: str, command: str = "") -> Path:
     """``results`` maps a run label (e.g. "online", "static") to :func:`run_stream`'s output."""
@@ -43,8 +45,7 @@ def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
         rows = result["requests"]
         ax.plot([r["i"] for r in rows], [r["alpha_moving_average"] for r in rows], label=label)
         if rows and all("static" in r for r in rows):  # served by the static draft too: its curve, live
-            rates = [r["static"]["acceptance_rate"] for r in rows]
-            average = [sum(rates[max(0, i - 49): i + 1]) / len(rates[max(0, i - 49): i + 1]) for i in range(len(rates))]
+            average = moving_average([r["static"]["acceptance_rate"] for r in rows])
             ax.plot([r["i"] for r in rows], average, label="static draft (same requests)", linestyle="--")
     rows = next(iter(results.values()))["requests"]
     for i in range(1, len(rows)):

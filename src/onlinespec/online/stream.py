@@ -60,6 +60,16 @@ class OnlineConfig:
             raise ValueError("compare_every >= 0, k >= 0 and max_new_tokens >= 1 are required")
 
 
+def moving_average(values: Sequence[float], window: int = MOVING_AVERAGE) -> list[float]:
+    """Per position, the mean of the last ``window`` values (as the paper plots alpha)."""
+    return [sum(values[max(0, i + 1 - window): i + 1]) / len(values[max(0, i + 1 - window): i + 1]) for i in range(len(values))]
+
+
+def pooled_alpha(stats: Sequence[dict]) -> float:
+    """Accepted over judged proposals, summed over requests (a stats row each)."""
+    return sum(s["accepted"] for s in stats) / max(1, sum(s["judged"] for s in stats))
+
+
 def _stats_row(stats) -> dict:
     return {
         "acceptance_rate": stats.acceptance_rate, "tau": stats.mean_accepted_length, "accepted": stats.accepted,
@@ -121,9 +131,8 @@ def run_stream(
             if config.compare_every and i % config.compare_every == 0:
                 row["static"], row["target_alone"], row["identical"] = _probe(static, alone, prompt, params, out.token_ids, len(probes))
                 probes.append((len(rows), query))
-            window = rows[-(MOVING_AVERAGE - 1):] + [row]
-            row["alpha_moving_average"] = sum(r["acceptance_rate"] for r in window) / len(window)
             rows.append(row)
+            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]])[-1]
             if learner is not None:
                 learner.observe(out, query.domain, query.id, train=query.train)  # durable before the row is logged
             log({"event": "request", **row})
@@ -167,12 +176,11 @@ def _median_ratio(rows: list[dict], a: str | None, b: str) -> float:
 def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | None) -> dict:
     def figures(part: list[dict]) -> dict:
         head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
-        alpha = lambda rs: sum(r["accepted"] for r in rs) / max(1, sum(r["judged"] for r in rs))  # noqa: E731
         return {
             "n_requests": len(part),
             "tokens_per_s": _throughput(part),
             "acceptance_rate_mean": sum(r["acceptance_rate"] for r in part) / len(part),
-            "acceptance_rate_pooled": alpha(part),
+            "acceptance_rate_pooled": pooled_alpha(part),
             "acceptance_rate_first_50": sum(r["acceptance_rate"] for r in head) / len(head),
             "acceptance_rate_last_50": sum(r["acceptance_rate"] for r in tail) / len(tail),
             "tau_mean": sum(r["tau"] for r in part) / len(part),
@@ -204,8 +212,8 @@ def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | N
             comparison["learning_on_vs_off"] = {
                 "static": _throughput(off, "static") / _throughput(off, "static_learning_off"),
                 "target_alone": _throughput(off, "target_alone") / _throughput(off, "target_alone_learning_off"),
-                "static_median_ratio": _median_ratio([{**r, "x": r["static"]} for r in off], "x", "static_learning_off"),
-                "target_alone_median_ratio": _median_ratio([{**r, "x": r["target_alone"]} for r in off], "x", "target_alone_learning_off"),
+                "static_median_ratio": _median_ratio(off, "static", "static_learning_off"),
+                "target_alone_median_ratio": _median_ratio(off, "target_alone", "target_alone_learning_off"),
                 "requests_with_learner_busy": sum(r["learner_busy"] for r in off),
             }
         result["comparison"] = comparison
