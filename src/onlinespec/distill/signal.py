@@ -86,7 +86,15 @@ class Signal:
     def sequence_of(self) -> torch.Tensor:
         """[T]: the sequence index of every token."""
         lengths = self.starts[1:] - self.starts[:-1]
-        return torch.repeat_interleave(torch.arange(len(self)), lengths)
+        return torch.repeat_interleave(torch.arange(len(self), device=lengths.device), lengths)
+
+    def to(self, device: str | torch.device) -> "Signal":
+        """The same signal with its tensors on ``device`` (to train on an accelerator)."""
+        move = lambda t: t.to(device)  # noqa: E731
+        return Signal(
+            move(self.ids), move(self.features), move(self.top_ids), move(self.top_logprobs),
+            move(self.starts), move(self.prompt_lens), list(self.domains), list(self.query_ids),
+        )
 
     def select(self, keep: Sequence[int]) -> "Signal":
         """The signal restricted to sequences ``keep`` (in that order)."""

@@ -42,7 +42,7 @@ class ChainTask:
         seq = signal.sequence_of()
         self.end = signal.starts[1:][seq]  # [T]: one past the last token of each token's sequence
         first_generated = (signal.starts[:-1] + signal.prompt_lens)[seq]
-        t = torch.arange(signal.n_tokens)
+        t = torch.arange(signal.n_tokens, device=signal.ids.device)
         keep = t + 1 < self.end  # at least one step: x_{t+1} and the target's state there exist
         if chain.generated_only:
             keep &= t + 1 >= first_generated
@@ -84,7 +84,7 @@ class ChainTask:
 
     def step(self, head: FeatureHead, optimizer: torch.optim.Optimizer, batch: list[int], config: DistillConfig) -> float:
         head.train()
-        loss = self.loss(head, torch.tensor(batch), config)
+        loss = self.loss(head, torch.tensor(batch, device=self.starts.device), config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], config.max_grad_norm)

@@ -1,0 +1,490 @@
+"""Bulk warm-up: distil a feature head on millions of the target's own tokens, on one accelerator.
+
+The CPU recipe (:mod:`onlinespec.drafts.warmup`) decodes about 600k tokens in some 25 minutes on
+two cores; the draft it makes is limited by that data. This recipe runs the same steps at scale,
+in two commands:
+
+1. ``export`` (wherever the data packages are installed): tokenise every warm-up query (chat
+   template applied; a long prompt keeps its last tokens) and the held-out evaluation prompts into
+   one gzipped JSON bundle, with the target's config. The accelerator machine then needs neither a
+   tokenizer nor the data sets, only the target's GGUF file.
+2. ``run``: load the target from the GGUF file, decode its answers to each job (greedy, then
+   sampled continuations for variety), score every sequence teacher-forced to get the target's
+   post-norm features and top-K distributions (a :class:`~onlinespec.distill.signal.Signal`, kept
+   on the device), pick the restricted vocabulary, distil each head design by the multi-step chain
+   objective (:mod:`onlinespec.drafts.train`), score the heads on the held-out prompts and save
+   them. Every phase has a deadline, so a lease of fixed length still returns finished heads.
+
+Only warm-up-split queries are decoded for training (the online stream and the held-out prompts
+never are); the held-out prompts are decoded only to score the heads. ``run --smoke`` runs the
+whole path on a tiny random target in seconds (the tests use it).
+
+    python -m onlinespec.drafts.bulk export --out bundle.json.gz
+    python -m onlinespec.drafts.bulk run --bundle bundle.json.gz --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out heads/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from onlinespec.distill.signal import Signal
+from onlinespec.distill.step import DistillConfig
+from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
+from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
+
+BUNDLE_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# The jobs: which warm-up queries, decoded how
+
+
+@dataclass(frozen=True)
+class Job:
+    """One batch of decoding work: ``samples`` continuations of each prompt at ``temperature``
+    (0: the single greedy answer)."""
+
+    name: str
+    temperature: float
+    samples: int
+    max_new_tokens: int
+    prompts: list[list[int]] = field(repr=False)
+    domains: list[str] = field(repr=False)
+    query_ids: list[str] = field(repr=False)
+
+
+def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens: int = 256, seed: int = 0, heldout_per_domain: int = 20) -> dict:
+    """Write the bundle ``run`` reads (see the module docstring); returns a summary of its jobs."""
+    from onlinespec.data.sources import available_gsm_languages, english_pools, load_gsm_symbolic, packaged_prompts
+    from onlinespec.data.streams import split, split_of
+    from onlinespec.decoding.speculative import encode_prompt
+    from onlinespec.models import default_target_dir, load_model, tokenizer_fingerprint
+
+    target = load_model("default")
+    tokenizer = target.tokenizer
+
+    def encode(queries):
+        return [encode_prompt(tokenizer, list(q.messages) if q.messages else q.prompt)[-max_prompt_tokens:] for q in queries]
+
+    pools = english_pools(["chat", "code", "math"])
+    warm = {d: split(pools[d], "warmup") for d in pools}
+    for d, pool in warm.items():
+        random.Random(f"{seed}:{d}").shuffle(pool)
+    math_ml = [
+        q for lang in available_gsm_languages() if lang not in ("eng", "eng_metric")
+        for q in load_gsm_symbolic(lang) if split_of(q.id.replace(f"/{lang}/", "/eng/")) == "warmup"
+    ]
+    # (name, queries, temperature, samples), in priority order: a deadline cuts the tail
+    plan = [
+        ("chat", warm["chat"], 0.0, 1),
+        ("code", warm["code"], 0.0, 1),
+        ("math", warm["math"], 0.0, 1),
+        ("code-sampled", warm["code"], 0.8, 3),
+        ("math-sampled", warm["math"], 0.7, 8),
+        ("math-multilingual", math_ml, 0.0, 1),
+        ("chat-sampled", warm["chat"], 0.8, 1),
+    ]
+    jobs = []
+    for name, queries, temperature, samples in plan:
+        jobs.append({
+            "name": name, "temperature": temperature, "samples": samples, "max_new_tokens": max_new_tokens,
+            "prompts": encode(queries), "domains": [q.domain for q in queries], "query_ids": [q.id for q in queries],
+        })
+    heldout = packaged_prompts(3 * heldout_per_domain, ("chat", "code", "math"), seed=0, split="heldout")
+    bundle = {
+        "version": BUNDLE_VERSION,
+        "target": target.name,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "config": json.loads((default_target_dir() / "config.json").read_text()),
+        "eos_ids": sorted({int(tokenizer.eos_token_id), *([target.model.generation_config.eos_token_id] if isinstance(target.model.generation_config.eos_token_id, int) else [])}),
+        "pad_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
+        "jobs": jobs,
+        "heldout": {
+            "name": "heldout", "temperature": 0.0, "samples": 1, "max_new_tokens": 64,
+            "prompts": encode(heldout), "domains": [q.domain for q in heldout], "query_ids": [q.id for q in heldout],
+        },
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with gzip.open(tmp, "wt") as handle:
+        json.dump(bundle, handle)
+    tmp.replace(out)
+    return {j["name"]: len(j["prompts"]) * j["samples"] for j in jobs} | {"heldout": len(heldout)}
+
+
+def _job(spec: dict) -> Job:
+    return Job(spec["name"], float(spec["temperature"]), int(spec["samples"]), int(spec["max_new_tokens"]),
+               spec["prompts"], spec["domains"], spec["query_ids"])
+
+
+# --------------------------------------------------------------------------------------------
+# The target, from its GGUF file (no tokenizer, no hub)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of the query / key rows for its rotary layout."""
+    dim = weight.shape[0] // heads // 2
+    return weight.reshape(heads, dim, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
+
+
+def llama_state_dict_from_gguf(path: str | Path, config: dict) -> dict[str, torch.Tensor]:
+    """A Llama GGUF file's tensors, dequantized to fp32, under Hugging Face names (the same
+    tensors transformers' own GGUF loader gives; a test checks it)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    state = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        shape = [int(s) for s in reversed(tensor.shape)]
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).float().reshape(shape)
+        parts = tensor.name.split(".")
+        if tensor.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif tensor.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif tensor.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+            if parts[2] == "attn_q":
+                weight = _unpermute(weight, config["num_attention_heads"])
+            elif parts[2] == "attn_k":
+                weight = _unpermute(weight, config["num_key_value_heads"])
+        else:
+            raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a Llama model")
+        state[name] = weight
+    return state
+
+
+def build_target(config: dict, state: dict[str, torch.Tensor] | None, device: str):
+    """A Llama causal LM from a config dict and (optionally) its weights, fp32, on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("architectures", "transformers_version", "dtype", "torch_dtype")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and config.get("tie_word_embeddings"))]
+        if missing or unexpected:
+            raise ValueError(f"the GGUF weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.tie_weights()
+    return model.to(device).eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding and scoring
+
+
+def _batches(order: list[int], lengths: list[int], extra: int, token_budget: int, max_rows: int):
+    """Slices of ``order`` (longest first) whose padded size stays under ``token_budget``."""
+    batch: list[int] = []
+    for i in order:
+        width = max([lengths[j] for j in batch] + [lengths[i]]) + extra
+        if batch and (width * (len(batch) + 1) > token_budget or len(batch) >= max_rows):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], job: Job, eos_ids: list[int], pad_id: int) -> list[list[int]]:
+    """The new tokens of each left-padded prompt (padding after EOS included)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    sampling = {"do_sample": True, "temperature": job.temperature, "top_k": 0, "top_p": 1.0} if job.temperature > 0 else {"do_sample": False}
+    return model.generate(
+        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=job.max_new_tokens,
+        eos_token_id=eos_ids, pad_token_id=pad_id, **sampling,
+    )[:, width:].tolist()
+
+
+@torch.inference_mode()
+def decode(model, job: Job, eos_ids: list[int], pad_id: int, token_budget: int, max_rows: int, deadline: float, log=print) -> list[tuple[list[int], int, str, str]]:
+    """The target's continuations of ``job``: ``(prompt + answer ids, prompt length, domain, id)``
+    per sample, longest prompts first; stops starting batches once ``deadline`` has passed."""
+    items = [(p, d, f"{q}#s{s}" if job.samples > 1 else q) for s in range(job.samples) for p, d, q in zip(job.prompts, job.domains, job.query_ids)]
+    lengths = [len(p) for p, _, _ in items]
+    order = sorted(range(len(items)), key=lambda i: -lengths[i])
+    out = []
+    pending = list(_batches(order, lengths, job.max_new_tokens, token_budget, max_rows))
+    while pending:
+        batch = pending.pop(0)
+        if time.monotonic() > deadline:
+            log(f"  {job.name}: deadline reached after {len(out)}/{len(items)} sequences")
+            break
+        try:
+            generated = _generate(model, [items[i][0] for i in batch], job, eos_ids, pad_id)
+        except torch.cuda.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            torch.cuda.empty_cache()
+            log(f"  {job.name}: out of memory at {len(batch)} rows, halving")
+            pending[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
+            continue
+        stop = set(eos_ids)
+        for r, i in enumerate(batch):
+            answer = generated[r]
+            end = next((n + 1 for n, t in enumerate(answer) if t in stop), len(answer))
+            prompt, domain, qid = items[i]
+            out.append((list(prompt) + answer[:end], len(prompt), domain, qid))
+    return out
+
+
+@torch.inference_mode()
+def score(model, sequences: list[tuple[list[int], int, str, str]], top_k: int = 32, token_budget: int = 131072, logit_rows: int = 16384) -> Signal:
+    """Teacher-forced pass over each sequence: the target's post-norm feature at every token and
+    its top-K log-probabilities for the next one (a :class:`Signal` on the model's device)."""
+    device = model.device
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    lengths = [len(s[0]) for s in sequences]
+    order = sorted(range(len(sequences)), key=lambda i: -lengths[i])
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for batch in _batches(order, lengths, 0, token_budget, 4096):
+        width = max(lengths[i] for i in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):  # right padding: causal attention keeps the real tokens exact
+            ids[r, : lengths[i]] = torch.tensor(sequences[i][0])
+        hidden = decoder(input_ids=ids.to(device)).last_hidden_state
+        valid = torch.cat([hidden[r, : lengths[i]] for r, i in enumerate(batch)])
+        tops = [torch.log_softmax(head(valid[a: a + logit_rows]).float(), -1).topk(top_k, dim=-1) for a in range(0, len(valid), logit_rows)]
+        top_ids, top_lp = torch.cat([t.indices for t in tops]), torch.cat([t.values for t in tops])
+        first = 0
+        for i in batch:
+            n = lengths[i]
+            rows[i] = (valid[first: first + n].half(), top_ids[first: first + n], top_lp[first: first + n])
+            first += n
+    keep = list(range(len(sequences)))
+    lengths_t = torch.tensor([lengths[i] for i in keep], device=device)
+    return Signal(
+        torch.tensor([t for i in keep for t in sequences[i][0]], device=device),
+        torch.cat([rows[i][0] for i in keep]), torch.cat([rows[i][1] for i in keep]), torch.cat([rows[i][2] for i in keep]),
+        torch.cat([torch.zeros(1, dtype=torch.long, device=device), lengths_t.cumsum(0)]),
+        torch.tensor([sequences[i][1] for i in keep], device=device),
+        [sequences[i][2] for i in keep], [sequences[i][3] for i in keep],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass(frozen=True)
+class HeadDesign:
+    name: str
+    intermediate_size: int = 1024
+    num_blocks: int = 2
+    save_dtype: str = "float32"  # float16 halves the file (the default draft must stay <= 20 MB)
+
+
+@dataclass(frozen=True)
+class BulkRecipe:
+    vocab_size: int = 8192
+    depth: int = 4
+    step_decay: float = 0.8
+    batch_size: int = 1024
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 200
+    max_steps: int = 40000  # the deadline usually ends training first
+    loss: str = "fkl"
+    seed: int = 0
+
+
+def train_head(model, signal: Signal, vocab: torch.Tensor, design: HeadDesign, recipe: BulkRecipe, deadline: float, log=print) -> tuple[FeatureHead, dict]:
+    """Distil one head on ``signal`` until ``recipe.max_steps`` or ``deadline``. The cosine
+    schedule's length is set from the measured step time, so the lr has decayed when time is up."""
+    torch.manual_seed(recipe.seed)
+    device = signal.ids.device
+    head = FeatureHead.for_target(model, vocab.cpu(), intermediate_size=design.intermediate_size, num_blocks=design.num_blocks).to(device)
+    task = ChainTask(signal, ChainConfig(depth=recipe.depth, step_decay=recipe.step_decay))
+    distill = DistillConfig(loss=recipe.loss)
+    head.requires_grad_(True)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
+    generator = torch.Generator(device=device).manual_seed(recipe.seed)
+    total, step, losses, started = recipe.max_steps, 0, [], time.monotonic()
+    while step < total:
+        if step == 50:  # measure, then fit the schedule into the time left
+            per_step = (time.monotonic() - started) / 50
+            total = max(100, min(recipe.max_steps, int((deadline - started) / per_step)))
+            log(f"  {design.name}: {per_step * 1e3:.1f} ms/step -> {total} steps")
+        if time.monotonic() > deadline and step >= 100:
+            break
+        lr = _lr_at(step, total, recipe)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = task.starts[torch.randint(len(task.starts), (recipe.batch_size,), device=device, generator=generator)]
+        head.train()
+        loss = task.loss(head, starts, distill)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], distill.max_grad_norm)
+        optimizer.step()
+        step += 1
+        if step % 2000 == 0 or step == total:
+            losses.append(round(loss.item(), 4))
+            log(f"  {design.name}: step {step}/{total} loss {losses[-1]} lr {lr:.2e} ({time.monotonic() - started:.0f} s)")
+    head.eval().requires_grad_(False)
+    return head, {"steps": step, "seconds": round(time.monotonic() - started, 1), "losses": losses, "examples": step * recipe.batch_size}
+
+
+def _lr_at(step: int, total: int, recipe: BulkRecipe) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = min(1.0, (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps))
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --------------------------------------------------------------------------------------------
+# The whole run
+
+
+DEFAULT_DESIGNS = (HeadDesign("head-2x1024", save_dtype="float16"), HeadDesign("head-3x1536", 1536, 3, "float16"))
+
+
+def run(bundle_path: str | Path, gguf: str | Path | None, out: str | Path, seconds: float = 480.0, designs=DEFAULT_DESIGNS,
+        recipe: BulkRecipe = BulkRecipe(), device: str | None = None, smoke: bool = False, log=print) -> dict:
+    """Decode, score, train and save (see the module docstring); ``seconds`` bounds the whole run."""
+    begin = time.monotonic()
+    at = lambda fraction: begin + fraction * seconds  # noqa: E731
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it: features to ~1e-3, 4-8x faster
+    with gzip.open(bundle_path, "rt") as handle:
+        bundle = json.load(handle)
+    if bundle.get("version") != BUNDLE_VERSION:
+        raise ValueError(f"{bundle_path} is a bundle of version {bundle.get('version')}; this code reads version {BUNDLE_VERSION}: export it again")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = bundle["config"]
+    if smoke:
+        config = smoke_config(config)
+        torch.manual_seed(0)
+        model = build_target(config, None, device)
+    else:
+        if gguf is None:
+            raise ValueError("run needs --gguf, the target's GGUF file (or --smoke)")
+        model = build_target(config, llama_state_dict_from_gguf(gguf, config), device)
+    log(f"target on {device} in {time.monotonic() - begin:.0f} s")
+    budget, rows = (4096, 8) if smoke else (1 << 20, 2048)
+    jobs = [_job(j) for j in bundle["jobs"]]
+    if smoke:
+        jobs = [dataclasses.replace(j, prompts=j.prompts[:3], domains=j.domains[:3], query_ids=j.query_ids[:3], max_new_tokens=8, samples=min(j.samples, 2)) for j in jobs]
+    sequences, made = [], {}
+    for job in jobs:
+        t0 = time.monotonic()
+        part = decode(model, job, bundle["eos_ids"], bundle["pad_id"], budget, rows, at(0.40), log)
+        sequences += part
+        made[job.name] = {"sequences": len(part), "tokens": sum(len(s) - p for s, p, _, _ in part), "seconds": round(time.monotonic() - t0, 1)}
+        log(f"decoded {job.name}: {made[job.name]}")
+    heldout_job = _job(bundle["heldout"])
+    if smoke:
+        heldout_job = dataclasses.replace(heldout_job, prompts=heldout_job.prompts[:6], domains=heldout_job.domains[:6], query_ids=heldout_job.query_ids[:6], max_new_tokens=8)
+    heldout_seqs = decode(model, heldout_job, bundle["eos_ids"], bundle["pad_id"], budget, rows, float("inf"), log)
+    t0 = time.monotonic()
+    signal = score(model, sequences, token_budget=4096 if smoke else 131072)
+    heldout = score(model, heldout_seqs, token_budget=4096 if smoke else 131072).to("cpu")
+    log(f"scored {signal.n_tokens:,} tokens in {time.monotonic() - t0:.0f} s")
+    _save_tokens(out / "tokens.npz", sequences, log)
+    counts = torch.bincount(signal.ids, minlength=config["vocab_size"]).cpu()
+    vocab = frequent_vocab(counts, recipe.vocab_size, always=bundle["eos_ids"])
+    summary = {
+        "target": bundle["target"], "tokenizer": bundle["tokenizer"], "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "decoded": made, "tokens": signal.n_tokens, "sequences": len(signal), "recipe": dataclasses.asdict(recipe), "heads": {},
+    }
+    share = (0.93 - (time.monotonic() - begin) / seconds) / len(designs)
+    for n, design in enumerate(designs):
+        try:
+            head, report = train_head(model, signal, vocab, design, recipe, at(1 - share * (len(designs) - n - 1) - 0.07), log)
+        except Exception as error:  # keep the heads already saved
+            log(f"{design.name}: training failed: {error!r}")
+            summary["heads"][design.name] = {"error": repr(error)}
+            continue
+        cpu_head = head.cpu()
+        evaluation = evaluate_chain(cpu_head, heldout, depth=recipe.depth)
+        meta = {
+            "target": bundle["target"], "tokenizer": bundle["tokenizer"], "dtype": "torch.float32",
+            "data": {"recipe": "bulk", "tokens": signal.n_tokens, "sequences": len(signal), "jobs": made},
+            "recipe": {**dataclasses.asdict(recipe), **dataclasses.asdict(design)}, "train": report, "heldout": evaluation,
+        }
+        saved = cpu_head.clone()
+        if design.save_dtype == "float16":
+            saved = saved.half()
+        saved.save(out / design.name, meta)
+        summary["heads"][design.name] = {"train": report, "heldout": evaluation}
+        log(f"{design.name}: held-out step acceptance " + ", ".join(f"{d} {e['step_acceptance']}" for d, e in evaluation.items()))
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        del head
+    log(f"done in {time.monotonic() - begin:.0f} s")
+    return summary
+
+
+def smoke_config(config: dict) -> dict:
+    """A tiny random target with the same vocabulary: ``run --smoke`` checks the whole path in seconds."""
+    return {**config, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _save_tokens(path: Path, sequences, log=print, limit: int = 15 << 20) -> None:
+    """The decoded sequences as compact ids (to rebuild the signal elsewhere without decoding)."""
+    import numpy as np
+
+    ids = np.array([t for s, _, _, _ in sequences for t in s], dtype=np.uint16)
+    lengths = np.array([len(s) for s, _, _, _ in sequences], dtype=np.int32)
+    prompt_lens = np.array([p for _, p, _, _ in sequences], dtype=np.int32)
+    meta = np.array(json.dumps([[d, q] for _, _, d, q in sequences]))
+    np.savez_compressed(path, ids=ids, lengths=lengths, prompt_lens=prompt_lens, meta=meta)
+    if path.stat().st_size > limit:
+        log(f"tokens file is {path.stat().st_size >> 20} MB: dropped (over {limit >> 20} MB)")
+        path.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m onlinespec.drafts.bulk", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="tokenise the warm-up and held-out queries into a bundle")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--max-new-tokens", type=int, default=256)
+    go = sub.add_parser("run", help="decode, score, train and save heads")
+    go.add_argument("--bundle", required=True)
+    go.add_argument("--gguf")
+    go.add_argument("--out", required=True)
+    go.add_argument("--seconds", type=float, default=480.0, help="wall-clock budget for the whole run")
+    go.add_argument("--device")
+    go.add_argument("--smoke", action="store_true", help="a tiny random target: checks the path in seconds")
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        print(json.dumps(export_bundle(args.out, max_new_tokens=args.max_new_tokens), indent=2))
+        return 0
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    recipe = BulkRecipe(batch_size=32, warmup_steps=10) if args.smoke else BulkRecipe()
+    designs = tuple(dataclasses.replace(d, intermediate_size=64) for d in DEFAULT_DESIGNS) if args.smoke else DEFAULT_DESIGNS
+    run(args.bundle, args.gguf, args.out, args.seconds, designs, recipe, args.device, args.smoke, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
