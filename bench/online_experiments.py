@@ -30,8 +30,9 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
+
+from onlinespec.data.sources import MATH_ML_LANGUAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -43,22 +44,16 @@ NEW_TOKENS = 64
 K = 4
 HELDOUT_PER_DOMAIN = 40
 FRACTIONS = (0.3, 0.7, 1.0)
-MATH_LANGUAGES = (
-    "eng", "eng_metric", "deu", "fra", "spa", "ita", "por", "nld", "cat", "ron", "dan", "swe", "nob", "afr", "ind", "zlm",
-    "pol", "ces", "slk", "slv", "hrv", "bos", "tgl",
-)
 DOMAIN_ORDER = ("code", "math_ml", "chat")
 
 
 def pools(tokenizer, split_name: str) -> dict:
     """Per domain, the split's queries whose prompt fits ``MAX_PROMPT_TOKENS`` (deterministic order)."""
-    from onlinespec.data.sources import english_pools, load_gsm_symbolic
+    from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import split
     from onlinespec.decoding.speculative import encode_prompt
 
-    english = english_pools(("code", "chat"))
-    maths = [replace(q, domain="math_ml") for lang in MATH_LANGUAGES for q in load_gsm_symbolic(lang)]
-    raw = {"code": english["code"], "math_ml": maths, "chat": english["chat"]}
+    raw = stream_pools(DOMAIN_ORDER)
     fits = lambda q: len(encode_prompt(tokenizer, list(q.messages) if q.messages else q.prompt)) <= MAX_PROMPT_TOKENS  # noqa: E731
     return {d: [q for q in split(raw[d], split_name) if fits(q)] for d in DOMAIN_ORDER}
 
@@ -220,7 +215,7 @@ def main() -> None:
                         **online_versions(target, original, results["abrupt"], WORK / "abrupt" / "run")}
     out = {
         "settings": {"per_domain": PER_DOMAIN, "gradual_every": GRADUAL_EVERY, "k": K, "new_tokens": NEW_TOKENS,
-                     "max_prompt_tokens": MAX_PROMPT_TOKENS, "learner": LEARNER, "math_languages": MATH_LANGUAGES,
+                     "max_prompt_tokens": MAX_PROMPT_TOKENS, "learner": LEARNER, "math_languages": MATH_ML_LANGUAGES,
                      "heldout_per_domain": HELDOUT_PER_DOMAIN, "date": time.strftime("%Y-%m-%d"), "torch_threads": torch_threads()},
         "runs": results,
         "replay": replay_stream(target, heads, signal),

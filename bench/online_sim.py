@@ -5,7 +5,9 @@ Every I requests, S steps of batch B at learning rate LR on all of the domain's 
 scored by replaying speculative decoding (k = 4). ``fresh`` builds a new AdamW for every update,
 as the learner did before it carried the optimizer state on.
 
-    python bench/online_sim.py I S B LR DOMAIN [fresh]     # e.g. 25 40 64 1e-3 code: ~1 min
+    python bench/online_sim.py I S B LR DOMAIN [fresh] [packaged]     # e.g. 25 40 64 1e-3 code: ~1 min
+
+``packaged`` starts from the packaged default head instead of the experiments' chat-only head.
 
 Needs the stream's signal (the first stage of bench/online_experiments.py builds and caches it).
 """
@@ -21,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_experiments import original_head, streams, teacher_signal  # noqa: E402
 
-from onlinespec.api import load_head  # noqa: E402
+from onlinespec.api import DEFAULT_HEAD, load_head  # noqa: E402
 from onlinespec.distill.step import DistillConfig  # noqa: E402
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance  # noqa: E402
 from onlinespec.models import load_model  # noqa: E402
@@ -29,11 +31,11 @@ from onlinespec.models import load_model  # noqa: E402
 
 def main() -> None:
     interval, steps, batch, lr, domain = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-    fresh = len(sys.argv) > 6 and sys.argv[6] == "fresh"
+    fresh, packaged = "fresh" in sys.argv[6:], "packaged" in sys.argv[6:]
     target = load_model("default", "float32")
     signal = teacher_signal(target, streams(target.tokenizer)[0])
     index = [i for i, d in enumerate(signal.domains) if d == domain]
-    head = load_head(original_head(target), target)
+    head = load_head(DEFAULT_HEAD if packaged else original_head(target), target)
     make = lambda: torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)  # noqa: E731
     optimizer, generator, curve, started = make(), torch.Generator().manual_seed(0), [], time.time()
     for start in range(0, len(index), interval):
@@ -45,7 +47,7 @@ def main() -> None:
         for _ in range(steps):
             pick = torch.randint(len(task), (batch,), generator=generator)
             task.step(head, optimizer, task.starts[pick].tolist(), DistillConfig())
-    print(interval, steps, batch, lr, domain, "fresh" if fresh else "persistent", " ".join(f"{c:.3f}" for c in curve),
+    print(interval, steps, batch, lr, domain, "fresh" if fresh else "persistent", "packaged head" if packaged else "chat-only head", " ".join(f"{c:.3f}" for c in curve),
           f"{time.time() - started:.0f} s")
 
 

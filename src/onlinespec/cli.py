@@ -172,7 +172,7 @@ def distill(
 @app.command()
 def demo(
     per_domain: Annotated[int, typer.Option(min=2, help="requests per domain block of the stream")] = 20,
-    domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts)")] = "code,math,chat",
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages")] = "code,math,chat",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I requests")] = 10,
     out_dir: Annotated[Path, typer.Option(help="stream, buffer, draft registry, event log, results and report")] = Path("runs/demo"),
@@ -182,12 +182,12 @@ def demo(
     online; every request is also served by the same draft kept static and by the target alone,
     and the report compares the three."""
     from onlinespec.data import write_queries_jsonl
-    from onlinespec.data.sources import english_pools
+    from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import abrupt_shifts, split
     from onlinespec.online.stream import OnlineConfig
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
-    pools = _user_errors(lambda: {d: split(q, "online") for d, q in english_pools(names).items()})
+    pools = _user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
     queries = _user_errors(lambda: abrupt_shifts(pools, per_domain, seed=0))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
@@ -392,7 +392,7 @@ def data_export(
 @data_app.command("stream")
 def data_stream(
     out: Annotated[Path, typer.Option(help="JSONL file to write")],
-    domains: Annotated[str, typer.Option(help="comma-separated, in stream order")] = "math,code,chat",
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order: chat, code, math, math_ml (maths in 23 languages)")] = "math,code,chat",
     schedule: Annotated[str, typer.Option(help="abrupt (shift every N), gradual (mix across each block) or random")] = "abrupt",
     every: Annotated[int, typer.Option(min=1, help="queries per domain block")] = 100,
     split_name: Annotated[str, typer.Option("--split", help="warmup, online or heldout queries only")] = "online",
@@ -400,11 +400,11 @@ def data_stream(
 ) -> None:
     """Export a query stream of packaged real data with a domain-shift schedule."""
     from onlinespec.data import write_queries_jsonl
-    from onlinespec.data.sources import english_pools
+    from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix, split
 
     def build():
-        pools = {d: split(pool, split_name) for d, pool in english_pools(domains.split(",")).items()}
+        pools = {d: split(pool, split_name) for d, pool in stream_pools(domains.split(",")).items()}
         if schedule == "abrupt":
             return abrupt_shifts(pools, every, seed)
         if schedule == "gradual":

@@ -86,6 +86,18 @@ def test_gsm_symbolic() -> None:
         load_gsm_symbolic("klingon")
 
 
+def test_stream_pools_add_maths_in_23_languages() -> None:
+    from onlinespec.data.sources import MATH_ML_LANGUAGES, stream_pools
+
+    pools = stream_pools(["math_ml", "math"])
+    assert list(pools) == ["math_ml", "math"]
+    assert {q.domain for q in pools["math_ml"]} == {"math_ml"} and {q.domain for q in pools["math"]} == {"math"}
+    assert {q.id.split("/")[1] for q in pools["math_ml"]} == set(MATH_ML_LANGUAGES) and len(MATH_ML_LANGUAGES) == 23
+    assert len({q.id for q in pools["math_ml"]}) == len(pools["math_ml"])
+    with pytest.raises(ValueError, match="math_ml"):
+        stream_pools(["maths"])
+
+
 def test_registry_lists_every_loader() -> None:
     assert set(SOURCES) == {"humaneval", "sharegpt", "chitchat", "gsm_symbolic"}
     assert all(s.description and callable(s.loader) for s in SOURCES.values())

