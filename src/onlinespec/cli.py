@@ -221,6 +221,7 @@ def online(
     learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = 1,
     priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = "low",
     cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = 1.0,
+    gate_by: Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")] = LearnerConfig.gate_by,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-round k from the cost model, or always k")] = True,
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")] = True,
     compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft and the target alone (0: never)")] = 0,
@@ -237,7 +238,7 @@ def online(
     learner = _user_errors(lambda: LearnerConfig(
         update_interval=update_interval, interval_unit=interval_unit, position_policy=positions, source=source,
         distill=DistillConfig(loss=loss, beta=beta), steps_per_update=steps_per_update, batch_size=batch_size, lr=lr,
-        threads=learner_threads, priority=priority, cpu_share=cpu_share,
+        threads=learner_threads, priority=priority, cpu_share=cpu_share, gate_by=gate_by,
     ))
     config = _user_errors(lambda: OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner,
                                                adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every))

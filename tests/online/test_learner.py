@@ -76,3 +76,52 @@ def test_requests_marked_train_false_are_never_stored(tiny_llama, tmp_path):
     for prompt in prompts(5):
         learner.observe(decoder.generate(prompt, PARAMS, trace=True), train=False)
     assert len(learner.buffer) == 0
+
+
+class _SplitVerdict(OnlineLearner):
+    """A learner whose candidate (any model but the serving one) judges better on domain 'new'
+    and worse on domain 'old': the gate's decision alone is under test."""
+
+    def _objective(self, train):
+        serving = self._latest[0]
+
+        def evaluate(model, records):
+            if model is serving:
+                return {"loss": 1.0, "alpha": 0.5}
+            old = sum(r.domain == "old" for r in records) / len(records)
+            return {"loss": 1.0, "alpha": 0.5 + 0.2 * (1 - old) - 0.1 * old}
+
+        return list(range(len(train) or 1)), lambda model, optimizer, batch: 0.0, evaluate
+
+
+def test_domain_gate_refuses_a_candidate_that_serves_an_earlier_domain_worse(tiny_llama, tmp_path):
+    """Pooled over the newest records (all of the new domain) the candidate wins; held out per
+    domain, it loses on the old one, and only the per-domain gate sees it."""
+    verdicts = {}
+    for gate_by in ("newest", "domain"):
+        target, draft, proposer, _ = setup(tiny_llama, tmp_path / gate_by, background=False)
+        learner = _SplitVerdict(proposer, ReplayBuffer(tmp_path / gate_by / "b", policy="window"), DraftRegistry(tmp_path / gate_by / "d"),
+                                LearnerConfig(update_interval=12, steps_per_update=1, position_policy="verified", priority="normal",
+                                              gate_by=gate_by), background=False)
+        decoder = SpeculativeDecoder(target, None, proposer, k=3)
+        for i, prompt in enumerate(prompts(12)):
+            learner.observe(decoder.generate(prompt, PARAMS, trace=True), domain="old" if i < 6 else "new")
+        (report,) = learner.reports
+        verdicts[gate_by] = report
+    assert verdicts["newest"].version is not None and verdicts["newest"].by_domain == {}
+    domain = verdicts["domain"]
+    assert domain.version is None
+    assert domain.by_domain["new"][1] > domain.by_domain["new"][0] and domain.by_domain["old"][1] < domain.by_domain["old"][0]
+
+
+def test_domain_gate_holds_out_the_newest_records_of_each_domain(tiny_llama, tmp_path):
+    from types import SimpleNamespace
+
+    *_, learner = setup(tiny_llama, tmp_path, background=False, gate_fraction=0.25)
+    records = [SimpleNamespace(domain=d, n=i) for i, d in enumerate("aaaaaaaabbbbc")]
+    train, groups = learner._held_out(records)
+    assert {d: [r.n for r in rs] for d, rs in groups.items()} == {"a": [6, 7], "b": [11], "c": [12]}
+    assert [r.n for r in train] == [0, 1, 2, 3, 4, 5, 8, 9, 10]
+    learner.config.gate_by = "newest"
+    train, groups = learner._held_out(records)
+    assert [r.n for r in groups["all"]] == [10, 11, 12] and len(train) == 10

@@ -1,5 +1,5 @@
 """The online learner (PAPER.md section 3): every I requests, distil a private copy of the serving
-draft on the replay buffer in the background, gate it on held-out recent records, publish it to
+draft on the replay buffer in the background, gate it on held-out recent records of every domain, publish it to
 the registry and hand it to the proposer, which takes it between two rounds.
 
 The serving path only appends a record and counts (``observe``); it never waits for an update.
@@ -46,8 +46,11 @@ class LearnerConfig:
     steps_per_update: int = 40
     batch_size: int = 32  # examples per step: chain starts for a feature head, records for a draft LM
     lr: float = 3e-4
-    gate_fraction: float = 0.2  # the newest share of the buffer, held out to judge a candidate
+    gate_fraction: float = 0.2  # the newest share of the buffer's records, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
+    gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
+    # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
+    # worse); newest: the newest share of all records, judged pooled
     source: str = "teacher"  # sampling source: teacher | student | mixed (recorder)
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
     priority: str = "low"  # low: the OS runs the learner only on CPU time serving leaves; normal
@@ -59,6 +62,8 @@ class LearnerConfig:
             raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
         if self.source not in SOURCES:
             raise ValueError(f"unknown sampling source {self.source!r}: use one of {SOURCES}")
+        if self.gate_by not in ("domain", "newest"):
+            raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
         if self.priority not in ("low", "normal"):
             raise ValueError(f"priority must be 'low' or 'normal', got {self.priority!r}")
         if not 0.0 < self.cpu_share <= 1.0:
@@ -78,6 +83,7 @@ class UpdateReport:
     alpha_after: float  # candidate
     seconds: float
     examples: int = 0  # training examples the update drew from (records, or chain starts for a head)
+    by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
 
 
 class OnlineLearner:
@@ -167,22 +173,37 @@ class OnlineLearner:
 
     # ---- the update (learner thread) ------------------------------------------------------------
 
-    def _objective(self, train: list, held_out: list):
-        """(training examples, step(candidate, optimizer, batch), evaluate(model)) for this draft:
-        records for a draft LM; chain start positions for a feature head."""
+    def _objective(self, train: list):
+        """(training examples, step(candidate, optimizer, batch), evaluate(model, records)) for this
+        draft: records for a draft LM; chain start positions for a feature head."""
         config = self.config.distill
         if isinstance(self.proposer.model, FeatureHead):
             task = chain_task(train, self.config.position_policy, ChainConfig(depth=self.config.chain_depth))
             return (
                 task.starts.tolist(),
                 lambda model, optimizer, batch: task.step(model, optimizer, batch, config),
-                lambda model: head_metrics(model, held_out, config),
+                lambda model, records: head_metrics(model, records, config),
             )
         return (
             train,
             lambda model, optimizer, batch: distill_step(model, optimizer, batch, config),
-            lambda model: evaluate(model, held_out, config),
+            lambda model, records: evaluate(model, records, config),
         )
+
+    def _held_out(self, records: list) -> tuple[list, dict[str, list]]:
+        """(training records, held-out groups): the newest ``gate_fraction`` of each domain's
+        records (``gate_by="domain"``; a domain with a single record is only judged), or of all
+        records in one group (``"newest"``)."""
+        fraction = self.config.gate_fraction
+        if self.config.gate_by == "newest":
+            n = max(1, int(len(records) * fraction))
+            return records[:-n], {"all": records[-n:]}
+        by_domain: dict[str, list] = {}
+        for record in records:
+            by_domain.setdefault(record.domain, []).append(record)
+        groups = {d: rs[-max(1, int(len(rs) * fraction)):] for d, rs in by_domain.items()}
+        held = {id(r) for rs in groups.values() for r in rs}
+        return [r for r in records if id(r) not in held], groups
 
     def _budget(self) -> None:
         """The learner thread's CPU budget: its torch threads and, at low priority, nice 19."""
@@ -211,15 +232,16 @@ class OnlineLearner:
             return
         if self.on_event:
             self.on_event({"event": "update_start", "records": len(records), "parent": self._latest[1], "time": time.time()})
-        held_out_n = max(1, int(len(records) * self.config.gate_fraction))
-        train, held_out = records[:-held_out_n], records[-held_out_n:]
+        train, groups = self._held_out(records)
+        held_out = [r for rs in groups.values() for r in rs]
         serving, parent = self._latest
         # private: the serving draft is never touched (a head shares only its frozen target tensors)
         candidate = _private_copy(serving)
-        examples, step, evaluate_fn = self._objective(train, held_out)
+        examples, step, evaluate_fn = self._objective(train)
         if not examples:
             return
-        before = evaluate_fn(serving)
+        before = evaluate_fn(serving, held_out)
+        before_by = {d: evaluate_fn(serving, rs)["alpha"] for d, rs in groups.items()} if len(groups) > 1 else {}
         optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
         if self._optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
             optimizer.load_state_dict(self._optimizer_state)
@@ -238,9 +260,11 @@ class OnlineLearner:
             if share < 1.0:
                 time.sleep((time.perf_counter() - tick) * (1.0 - share) / share)
         candidate.requires_grad_(False).eval()
-        after = evaluate_fn(candidate)
+        after = evaluate_fn(candidate, held_out)
+        by_domain = {d: [before_by[d], evaluate_fn(candidate, rs)["alpha"]] for d, rs in groups.items()} if before_by else {}
+        margin = self.config.gate_margin
         version = None
-        if after["alpha"] >= before["alpha"] - self.config.gate_margin:
+        if after["alpha"] >= before["alpha"] - margin and all(a >= b - margin for b, a in by_domain.values()):
             meta = {
                 "parent": parent,
                 "records_seen": records_seen,
@@ -248,6 +272,7 @@ class OnlineLearner:
                 "loss_after": after["loss"],
                 "alpha_before": before["alpha"],
                 "alpha_after": after["alpha"],
+                "alpha_by_domain": by_domain,
                 "config": asdict(self.config),
             }
             version = self.registry.publish(candidate.state_dict(), meta)
@@ -257,7 +282,7 @@ class OnlineLearner:
             with self._lock:
                 self.buffer.after_update(records)
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              time.perf_counter() - start, len(examples))
+                              time.perf_counter() - start, len(examples), by_domain)
         self.reports.append(report)
         if self.on_event:
             self.on_event({"event": "update", **asdict(report), "time": time.time()})
