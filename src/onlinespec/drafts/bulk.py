@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import gzip
 import json
-import math
 import random
 import sys
 import time
@@ -40,6 +39,7 @@ import torch
 
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
+from onlinespec.distill.trainer import TrainConfig
 from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 
@@ -69,6 +69,7 @@ def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens:
     from onlinespec.data.sources import available_gsm_languages, english_pools, load_gsm_symbolic, packaged_prompts
     from onlinespec.data.streams import split, split_of
     from onlinespec.decoding.speculative import encode_prompt
+    from onlinespec.distill.signal import _eos_ids
     from onlinespec.models import default_target_dir, load_model, tokenizer_fingerprint
 
     target = load_model("default")
@@ -107,7 +108,7 @@ def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens:
         "target": target.name,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "config": json.loads((default_target_dir() / "config.json").read_text()),
-        "eos_ids": sorted({int(tokenizer.eos_token_id), *([target.model.generation_config.eos_token_id] if isinstance(target.model.generation_config.eos_token_id, int) else [])}),
+        "eos_ids": sorted(set(_eos_ids(target.model, tokenizer))),
         "pad_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
         "jobs": jobs,
         "heldout": {
@@ -122,6 +123,12 @@ def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens:
         json.dump(bundle, handle)
     tmp.replace(out)
     return {j["name"]: len(j["prompts"]) * j["samples"] for j in jobs} | {"heldout": len(heldout)}
+
+
+def _shrunk(job: Job, n: int) -> Job:
+    """The smoke run's version of a job: its first ``n`` prompts, 8 new tokens, 2 samples at most."""
+    return dataclasses.replace(job, prompts=job.prompts[:n], domains=job.domains[:n], query_ids=job.query_ids[:n],
+                               max_new_tokens=8, samples=min(job.samples, 2))
 
 
 def _job(spec: dict) -> Job:
@@ -199,7 +206,7 @@ def _batches(order: list[int], lengths: list[int], extra: int, token_budget: int
     """Slices of ``order`` (longest first) whose padded size stays under ``token_budget``."""
     batch: list[int] = []
     for i in order:
-        width = max([lengths[j] for j in batch] + [lengths[i]]) + extra
+        width = lengths[batch[0] if batch else i] + extra  # the first of a batch is its longest
         if batch and (width * (len(batch) + 1) > token_budget or len(batch) >= max_rows):
             yield batch
             batch = []
@@ -279,14 +286,13 @@ def score(model, sequences: list[tuple[list[int], int, str, str]], top_k: int = 
             n = lengths[i]
             rows[i] = (valid[first: first + n].half(), top_ids[first: first + n], top_lp[first: first + n])
             first += n
-    keep = list(range(len(sequences)))
-    lengths_t = torch.tensor([lengths[i] for i in keep], device=device)
+    every = range(len(sequences))
     return Signal(
-        torch.tensor([t for i in keep for t in sequences[i][0]], device=device),
-        torch.cat([rows[i][0] for i in keep]), torch.cat([rows[i][1] for i in keep]), torch.cat([rows[i][2] for i in keep]),
-        torch.cat([torch.zeros(1, dtype=torch.long, device=device), lengths_t.cumsum(0)]),
-        torch.tensor([sequences[i][1] for i in keep], device=device),
-        [sequences[i][2] for i in keep], [sequences[i][3] for i in keep],
+        torch.tensor([t for ids, *_ in sequences for t in ids], device=device),
+        torch.cat([rows[i][0] for i in every]), torch.cat([rows[i][1] for i in every]), torch.cat([rows[i][2] for i in every]),
+        torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.tensor(lengths, device=device).cumsum(0)]),
+        torch.tensor([s[1] for s in sequences], device=device),
+        [s[2] for s in sequences], [s[3] for s in sequences],
     )
 
 
@@ -327,6 +333,7 @@ def train_head(model, signal: Signal, vocab: torch.Tensor, design: HeadDesign, r
     head.requires_grad_(True)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
     generator = torch.Generator(device=device).manual_seed(recipe.seed)
+    schedule = TrainConfig(recipe.max_steps, lr=recipe.lr, warmup_steps=recipe.warmup_steps, min_lr_ratio=recipe.min_lr_ratio)
     total, step, losses, started = recipe.max_steps, 0, [], time.monotonic()
     while step < total:
         if step == 50:  # measure, then fit the schedule into the time left
@@ -335,29 +342,16 @@ def train_head(model, signal: Signal, vocab: torch.Tensor, design: HeadDesign, r
             log(f"  {design.name}: {per_step * 1e3:.1f} ms/step -> {total} steps")
         if time.monotonic() > deadline and step >= 100:
             break
-        lr = _lr_at(step, total, recipe)
+        lr = dataclasses.replace(schedule, steps=total).lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = task.starts[torch.randint(len(task.starts), (recipe.batch_size,), device=device, generator=generator)]
-        head.train()
-        loss = task.loss(head, starts, distill)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], distill.max_grad_norm)
-        optimizer.step()
+        loss = task.step(head, optimizer, task.starts[torch.randint(len(task.starts), (recipe.batch_size,), device=device, generator=generator)], distill)
         step += 1
         if step % 2000 == 0 or step == total:
-            losses.append(round(loss.item(), 4))
+            losses.append(round(loss, 4))
             log(f"  {design.name}: step {step}/{total} loss {losses[-1]} lr {lr:.2e} ({time.monotonic() - started:.0f} s)")
     head.eval().requires_grad_(False)
     return head, {"steps": step, "seconds": round(time.monotonic() - started, 1), "losses": losses, "examples": step * recipe.batch_size}
-
-
-def _lr_at(step: int, total: int, recipe: BulkRecipe) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = min(1.0, (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps))
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,7 +387,7 @@ def run(bundle_path: str | Path, gguf: str | Path | None, out: str | Path, secon
     budget, rows = (4096, 8) if smoke else (1 << 20, 2048)
     jobs = [_job(j) for j in bundle["jobs"]]
     if smoke:
-        jobs = [dataclasses.replace(j, prompts=j.prompts[:3], domains=j.domains[:3], query_ids=j.query_ids[:3], max_new_tokens=8, samples=min(j.samples, 2)) for j in jobs]
+        jobs = [_shrunk(j, 3) for j in jobs]
     sequences, made = [], {}
     for job in jobs:
         t0 = time.monotonic()
@@ -403,7 +397,7 @@ def run(bundle_path: str | Path, gguf: str | Path | None, out: str | Path, secon
         log(f"decoded {job.name}: {made[job.name]}")
     heldout_job = _job(bundle["heldout"])
     if smoke:
-        heldout_job = dataclasses.replace(heldout_job, prompts=heldout_job.prompts[:6], domains=heldout_job.domains[:6], query_ids=heldout_job.query_ids[:6], max_new_tokens=8)
+        heldout_job = _shrunk(heldout_job, 6)
     heldout_seqs = decode(model, heldout_job, bundle["eos_ids"], bundle["pad_id"], budget, rows, float("inf"), log)
     t0 = time.monotonic()
     signal = score(model, sequences, token_budget=4096 if smoke else 131072)

@@ -82,9 +82,11 @@ class ChainTask:
             weights += weight
         return total / weights
 
-    def step(self, head: FeatureHead, optimizer: torch.optim.Optimizer, batch: list[int], config: DistillConfig) -> float:
+    def step(self, head: FeatureHead, optimizer: torch.optim.Optimizer, batch: list[int] | torch.Tensor, config: DistillConfig) -> float:
+        """One optimizer step on a batch of start positions (a list, or a tensor on the signal's device)."""
         head.train()
-        loss = self.loss(head, torch.tensor(batch, device=self.starts.device), config)
+        starts = batch if isinstance(batch, torch.Tensor) else torch.tensor(batch, device=self.starts.device)
+        loss = self.loss(head, starts, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], config.max_grad_norm)
