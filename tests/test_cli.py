@@ -89,7 +89,11 @@ def test_online_serves_a_stream_learns_and_reports(tmp_path):
     events = [json.loads(line) for line in (out_dir / "events.jsonl").read_text().splitlines()]
     assert sum(e["event"] == "request" for e in events) == 6 and any(e["event"] == "update" for e in events)
     assert (out_dir / "report.md").exists() and (out_dir / "alpha.png").stat().st_size > 0
-    assert (out_dir / "drafts" / "CURRENT").exists()
+    assert (out_dir / "drafts" / "code" / "CURRENT").exists() and (out_dir / "drafts" / "chat" / "CURRENT").exists()
+    listed = runner.invoke(app, ["drafts", "list", "--dir", str(out_dir / "drafts")])  # every draft of the run
+    assert listed.exit_code == 0 and "draft code" in listed.stdout and "draft chat" in listed.stdout
+    ambiguous = runner.invoke(app, ["drafts", "rollback", "--dir", str(out_dir / "drafts")])
+    assert ambiguous.exit_code == 2 and "--draft" in ambiguous.output
 
 
 def test_drafts_lists_versions_and_rolls_back(tmp_path):

@@ -222,6 +222,8 @@ def online(
     priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = "low",
     cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = 1.0,
     gate_by: Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")] = LearnerConfig.gate_by,
+    router: Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")] = "domain",
+    max_drafts: Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")] = 8,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-round k from the cost model, or always k")] = True,
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")] = True,
     compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft and the target alone (0: never)")] = 0,
@@ -241,7 +243,8 @@ def online(
         threads=learner_threads, priority=priority, cpu_share=cpu_share, gate_by=gate_by,
     ))
     config = _user_errors(lambda: OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner,
-                                               adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every))
+                                               adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every,
+                                               router=router, max_drafts=max_drafts))
     label = "online" if learn else "static"
     _serve_online(queries, config, out_dir, json_out, f"{label} draft {draft}, k = {k}")
 
@@ -257,7 +260,7 @@ def _serve_online(queries, config, out_dir: Path, json_out: Path, title: str) ->
 
         def on_request(row):
             info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {row['tokens_per_s']:.1f} tok/s  "
-                    f"draft {row['draft_version']}  {row['domain']}")
+                    f"draft {row['draft']} {row['draft_version']}  {row['domain']}")
             if "static" in row:
                 info += f"  | static {row['static']['tokens_per_s']:.1f}, target alone {row['target_alone']['tokens_per_s']:.1f} tok/s"
             progress.update(task, advance=1, info=info)
@@ -321,41 +324,60 @@ def costmodel(
     out.print(f"best k: {cm.best_k(alpha, c, k_max, verify_cost)}")
 
 
-RegistryOpt = Annotated[Path, typer.Option("--dir", exists=True, file_okay=False, help="the registry: <online --out-dir>/drafts")]
+RegistryOpt = Annotated[Path, typer.Option("--dir", exists=True, file_okay=False, help="<online --out-dir>/drafts (every draft), or one draft's registry")]
+DraftNameOpt = Annotated[Optional[str], typer.Option("--draft", help="which draft, when --dir holds several (one per domain)")]
+
+
+def _registries(directory: Path, name: str | None = None) -> dict:
+    """{draft name: registry}: ``directory`` itself when it is a registry, else every draft
+    registry in it (an online run's drafts/ folder holds one per routed draft)."""
+    from onlinespec.online.registry import DraftRegistry
+
+    if (directory / "CURRENT").exists():
+        return {directory.name: DraftRegistry(directory)}
+    found = {p.name: DraftRegistry(p) for p in sorted(directory.iterdir()) if (p / "CURRENT").exists()}
+    if not found:
+        raise ValueError(f"{directory} holds no draft registry: pass <online --out-dir>/drafts or one draft's folder in it")
+    if name is not None:
+        if name not in found:
+            raise ValueError(f"no draft {name!r} in {directory}; drafts: {', '.join(found)}")
+        return {name: found[name]}
+    return found
 
 
 @drafts_app.command("list")
-def drafts_list(directory: RegistryOpt = Path("runs/online/drafts")) -> None:
-    """Every published version with its parent, records seen, loss and alpha before/after."""
-    from onlinespec.online.registry import DraftRegistry
-
-    registry = DraftRegistry(directory)
-    current = registry.current()
-    table = Table(title=f"drafts in {directory}")
-    for col in ("version", "parent", "records seen", "loss before", "loss after", "alpha before", "alpha after", "note"):
-        table.add_column(col, justify="right")
+def drafts_list(directory: RegistryOpt = Path("runs/online/drafts"), draft: DraftNameOpt = None) -> None:
+    """Every published version of every draft, with its parent, records seen, loss and alpha before/after."""
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
-    for version in registry.versions():
-        meta = registry.meta(version)
-        name = f"* {version}" if version == current else version
-        table.add_row(name, *(fmt(meta.get(k)) for k in ("parent", "records_seen", "loss_before", "loss_after", "alpha_before", "alpha_after", "note")))
-    out.print(table)
-    out.print(f"serving: {current or '-'} (* above)")
+    for name, registry in _user_errors(lambda: _registries(directory, draft)).items():
+        current = registry.current()
+        table = Table(title=f"draft {name} ({registry.directory})")
+        for col in ("version", "parent", "records seen", "loss before", "loss after", "alpha before", "alpha after", "note"):
+            table.add_column(col, justify="right")
+        for version in registry.versions():
+            meta = registry.meta(version)
+            label = f"* {version}" if version == current else version
+            table.add_row(label, *(fmt(meta.get(k)) for k in ("parent", "records_seen", "loss_before", "loss_after", "alpha_before", "alpha_after", "note")))
+        out.print(table)
+        out.print(f"serving: {current or '-'} (* above)")
 
 
 @drafts_app.command("rollback")
 def drafts_rollback(
     directory: RegistryOpt = Path("runs/online/drafts"),
+    draft: DraftNameOpt = None,
     to: Annotated[Optional[str], typer.Option(help="the version to serve (default: the current one's parent)")] = None,
 ) -> None:
     """Serve an earlier version: the current one's parent, or the one named with --to. The next
     `onlinespec online` run on the same --out-dir starts from it."""
-    from onlinespec.online.registry import DraftRegistry
-
-    registry = DraftRegistry(directory)
+    registries = _user_errors(lambda: _registries(directory, draft))
+    if len(registries) > 1:
+        console.print(f"[red]error:[/red] {directory} holds {len(registries)} drafts ({', '.join(registries)}): name one with --draft")
+        raise typer.Exit(2)
+    (name, registry), = registries.items()
     before = registry.current()
     version = _user_errors(lambda: registry.set_current(to) or to if to else registry.rollback())
-    console.print(f"serving {version} (was {before})")
+    console.print(f"draft {name}: serving {version} (was {before})")
 
 
 @data_app.command("list")

@@ -125,3 +125,29 @@ def test_domain_gate_holds_out_the_newest_records_of_each_domain(tiny_llama, tmp
     learner.config.gate_by = "newest"
     train, groups = learner._held_out(records)
     assert [r.n for r in groups["all"]] == [10, 11, 12] and len(train) == 10
+
+
+def test_drafts_sharing_an_update_slot_update_one_at_a_time_and_none_is_dropped(tiny_llama, tmp_path):
+    import threading
+    import time
+
+    slot, events = threading.Semaphore(1), []
+    target = tiny_llama(seed=0, vocab_size=32, hidden_size=32)
+    learners = {}
+    for name in ("code", "math"):
+        proposer = DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32))
+        learners[name] = OnlineLearner(
+            proposer, ReplayBuffer(tmp_path / name / "buffer", policy="window"), DraftRegistry(tmp_path / name / "drafts"),
+            LearnerConfig(update_interval=4, steps_per_update=300, batch_size=8, priority="normal", position_policy="verified"),
+            on_event=lambda event, name=name: events.append((name, event["event"], time.perf_counter())), slot=slot)
+    for name, learner in learners.items():
+        decoder = SpeculativeDecoder(target, None, learner.proposer, k=3)
+        for prompt in prompts(4, seed=len(name)):
+            learner.observe(decoder.generate(prompt, PARAMS, trace=True), domain=name)
+    assert learners["code"].busy and not learners["math"].busy and learners["math"].due  # waiting for the slot
+    while not learners["math"].maybe_update():  # what the pool does after every request
+        time.sleep(0.01)
+    learners["math"].wait()
+    assert [(name, kind) for name, kind, _ in events] == [("code", "update_start"), ("code", "update"),
+                                                          ("math", "update_start"), ("math", "update")]
+    assert all(len(learner.reports) == 1 for learner in learners.values())

@@ -71,13 +71,13 @@ def test_sigkill_during_an_update_then_restart_serves_the_last_published_version
     assert killed_mid_update, f"no update was ever caught in flight: {proc.stderr.read().decode()[-2000:]}"
 
     seen = events(out_dir)
-    registry = DraftRegistry(out_dir / "drafts")
+    registry = DraftRegistry(out_dir / "drafts" / "code")  # the stream's one domain has its own draft
     last_published = [e for e in seen if e["event"] == "update" and e["version"]][-1]["version"]
     assert registry.current() == last_published  # the update in flight published nothing
     for version in registry.versions():  # every saved version loads, none half-written
         assert registry.load(version)
     acknowledged = {e["id"] for e in seen if e["event"] == "request"}
-    stored = {r.request_id for r in ReplayBuffer(out_dir / "buffer", policy="window").records()}
+    stored = {r.request_id for r in ReplayBuffer(out_dir / "buffer" / "code", policy="window").records()}
     assert acknowledged and acknowledged <= stored
 
     # restart on the same directory: it resumes with the last published version and the whole buffer
@@ -85,7 +85,8 @@ def test_sigkill_during_an_update_then_restart_serves_the_last_published_version
     again = subprocess.run(command(tiny_folder, stream, out_dir, tmp_path / "b.json", steps=2), env=env,
                            capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
-    start = [e for e in events(out_dir) if e["event"] == "start"][-1]
+    start = [e for e in events(out_dir) if e["event"] == "draft"][-1]
+    assert start["draft"] == "code"
     assert start["draft_version"] == last_published and start["buffer_records"] >= len(acknowledged)
     rows = json.loads((tmp_path / "b.json").read_text())["requests"]
     assert rows[0]["draft_version"] == last_published
@@ -119,8 +120,11 @@ def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_folder
     assert set(comparison["tokens_per_s"]) == {"online", "static", "target_alone"}
     assert comparison["learning_on_vs_off"]["static"] > 0
     assert set(result["domains"]) == {"code", "chat"}
+    assert [r["draft"] for r in rows] == ["code"] * 4 + ["chat"] * 4  # one draft per domain
     kinds = [json.loads(line)["event"] for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert kinds[0] == "start" and kinds.count("request") == 8 and "update_start" in kinds and "update" in kinds
-    # the request marked train: false left nothing in the buffer
-    stored = {r.request_id for r in ReplayBuffer(tmp_path / "run" / "buffer", policy="window").records()}
-    assert "q5" not in stored and "q4" in stored
+    # each draft learnt only its own domain's requests; the one marked train: false left nothing
+    stored = {d: {r.request_id for r in ReplayBuffer(tmp_path / "run" / "buffer" / d, policy="window").records()}
+              for d in ("code", "chat")}
+    assert stored == {"code": {"q0", "q1", "q2", "q3"}, "chat": {"q4", "q6", "q7"}}
+    assert {u["draft"] for u in result["updates"]} <= {"code", "chat"}

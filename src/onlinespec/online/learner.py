@@ -84,6 +84,7 @@ class UpdateReport:
     seconds: float
     examples: int = 0  # training examples the update drew from (records, or chain starts for a head)
     by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
+    ended_at: float = 0.0  # wall-clock time
 
 
 class OnlineLearner:
@@ -95,10 +96,13 @@ class OnlineLearner:
         config: LearnerConfig | None = None,
         background: bool = True,
         on_event: Callable[[dict], None] | None = None,
+        slot: threading.Semaphore | None = None,
     ) -> None:
-        """``on_event`` is called from the learner thread when an update starts and when it ends."""
+        """``on_event`` is called from the learner thread when an update starts and when it ends.
+        ``slot``: shared by the learners of several drafts, so that one update runs at a time
+        (each has the CPU budget to itself); a due update waits for it, it is never dropped."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
-        self.on_event = on_event
+        self.on_event, self.slot = on_event, slot
         self.config = config or LearnerConfig()
         self.background = background
         self.reports: list[UpdateReport] = []
@@ -139,15 +143,24 @@ class OnlineLearner:
             self._records_seen += len(records)
             unit = self.config.interval_unit
             self._count += {"requests": 1, "records": len(records), "tokens": len(generation.token_ids)}[unit]
-            due = self._count >= self.config.update_interval and not self.busy
-            if due:
-                self._count = 0
-        if due:
-            self.start_update()
+        self.maybe_update()
+
+    @property
+    def due(self) -> bool:
+        """I units have been served since the last update started."""
+        return self._count >= self.config.update_interval
+
+    def maybe_update(self) -> bool:
+        """Start the update that is due, if this learner and the shared slot are free (serving thread)."""
+        if self.due and self.start_update():
+            self._count = 0
+            return True
+        return False
 
     def start_update(self) -> bool:
-        """Start an update now (in the background thread when ``background``); False if one is running."""
-        if self.busy:
+        """Start an update now (in the background thread when ``background``); False if this
+        learner, or another holding the shared slot, is running one."""
+        if self.busy or (self.slot is not None and not self.slot.acquire(blocking=False)):
             return False
         if self.background:
             self._thread = threading.Thread(target=self._update, name="onlinespec-learner", daemon=True)
@@ -216,10 +229,12 @@ class OnlineLearner:
 
     def _update(self) -> None:
         serving_threads = torch.get_num_threads()
-        self._budget()
         try:
+            self._budget()
             self._run_update()
         finally:
+            if self.slot is not None:
+                self.slot.release()
             if not self.background:  # the update ran on the serving thread: give it its threads back
                 torch.set_num_threads(serving_threads)
 
@@ -282,7 +297,7 @@ class OnlineLearner:
             with self._lock:
                 self.buffer.after_update(records)
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              time.perf_counter() - start, len(examples), by_domain)
+                              time.perf_counter() - start, len(examples), by_domain, time.time())
         self.reports.append(report)
         if self.on_event:
             self.on_event({"event": "update", **asdict(report), "time": time.time()})

@@ -29,14 +29,21 @@ def write_report(results: dict[str, dict], out_dir: str | Path, title: str, comm
                 f"{fig['acceptance_rate_first_50']:.3f} | {fig['acceptance_rate_last_50']:.3f} |"
             )
     for label, result in results.items():
-        published = [u for u in result["updates"] if u["version"]]
         if result["updates"]:
-            lines += ["", f"{label}: {len(result['updates'])} updates, {len(published)} published (gate refused the rest)."]
+            lines += ["", f"{label}: " + "; ".join(update_counts(result["updates"])) + " (the gate refused the rest)."]
         lines += comparison_lines(label, result.get("comparison"))
     lines += ["", f"![alpha over requests]({plot.name})", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def update_counts(updates: list[dict]) -> list[str]:
+    """'draft code: 3 updates, 1 published', one per draft, in the order the drafts first updated."""
+    by_draft: dict[str, list[dict]] = {}
+    for update in updates:
+        by_draft.setdefault(update.get("draft", "shared"), []).append(update)
+    return [f"draft {name}: {len(us)} updates, {sum(bool(u['version']) for u in us)} published" for name, us in by_draft.items()]
 
 
 def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:

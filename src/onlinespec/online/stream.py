@@ -1,5 +1,7 @@
 """Run a query stream through the online system: serve each request with speculative decoding,
 record its trace, and let the learner update the draft in the background (PAPER.md section 3).
+Each request goes to the draft its router names (:mod:`onlinespec.routing`): by default one draft
+per domain, each learning only its own traffic (:mod:`onlinespec.online.pool`).
 
 Writes a JSONL event log as it goes (one line per request, per update start and per update end)
 and returns per-request rows and a summary (also per domain, with the moving average of alpha
@@ -32,9 +34,9 @@ from onlinespec.data import Query
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
-from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.learner import LearnerConfig, OnlineLearner
-from onlinespec.online.registry import DraftRegistry
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.pool import DraftPool
+from onlinespec.routing import ROUTERS, Router
 
 MOVING_AVERAGE = 50
 
@@ -50,6 +52,8 @@ class OnlineConfig:
     buffer_policy: str = "window"
     buffer_records: int = 2000
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    router: str = "domain"  # domain: one draft per request domain (learning only); single: one shared draft
+    max_drafts: int = 8  # domains beyond this many share one draft
     adaptive_k: bool = True  # per-round k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster (shared by all decoders)
     compare_every: int = 0  # serve every N-th request also with the static draft and the target alone
@@ -58,6 +62,8 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         if self.compare_every < 0 or self.k < 0 or self.max_new_tokens < 1:
             raise ValueError("compare_every >= 0, k >= 0 and max_new_tokens >= 1 are required")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
 
 
 def moving_average(values: Sequence[float], window: int = MOVING_AVERAGE) -> list[float]:
@@ -90,58 +96,57 @@ def run_stream(
     say = on_status or (lambda text: None)
     say("loading the target and the draft")
     target = load_model(config.target, config.dtype)
-    proposer = make_proposer(config.draft, target, config.dtype).proposer
-    if config.learn and not hasattr(proposer, "swap_model"):
+    if config.learn and not hasattr(make_proposer(config.draft, target, config.dtype).proposer, "swap_model"):
         raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {config.draft!r}")
     say("measuring the target's verify-cost curve")
-    options = engine_options(target, config.k, adaptive=config.adaptive_k, kernels=config.kernels) if proposer else {}
-    decoder = SpeculativeDecoder(target.model, target.tokenizer, proposer, k=config.k, **options)
+    options = engine_options(target, config.k, adaptive=config.adaptive_k, kernels=config.kernels) if config.draft != "none" else {}
+
+    def new_decoder() -> SpeculativeDecoder:
+        """A fresh starting draft with its own acceptance statistics; same target, same kernels."""
+        proposer = make_proposer(config.draft, target, config.dtype).proposer
+        return SpeculativeDecoder(target.model, target.tokenizer, proposer, k=config.k,
+                                  **dict(options, adaptive_k=copy.deepcopy(options.get("adaptive_k"))))
+
     static = alone = None
-    if config.compare_every:  # the starting draft, never updated, and the target alone: same target, same kernels
-        static_options = dict(options, adaptive_k=copy.deepcopy(options.get("adaptive_k")))  # its own acceptance statistics
-        static = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(config.draft, target, config.dtype).proposer,
-                                    k=config.k, **static_options)
-        alone = SpeculativeDecoder(target.model, target.tokenizer, None)
+    if config.compare_every:  # the starting draft, never updated, and the target alone
+        static, alone = new_decoder(), SpeculativeDecoder(target.model, target.tokenizer, None)
 
     events = open(out_dir / "events.jsonl", "a")
     write_lock = threading.Lock()
 
     def log(event: dict) -> None:
         with write_lock:
-            events.write(json.dumps(event) + "\n")
+            events.write(json.dumps({**event, "time": event.get("time", time.time())}) + "\n")
             events.flush()
 
-    learner = None
     rows: list[dict] = []
-    if config.learn:
-        buffer = ReplayBuffer(out_dir / "buffer", config.buffer_policy, max_records=config.buffer_records)
-        learner = OnlineLearner(proposer, buffer, DraftRegistry(out_dir / "drafts"), config.learner,
-                                on_event=lambda event: log({**event, "requests_served": len(rows)}))
-        log({"event": "start", "draft_version": proposer.version, "buffer_records": len(buffer), "time": time.time()})
+    router = Router(config.router if config.learn else "single", config.max_drafts)
+    pool = DraftPool(new_decoder, out_dir, router, config.learner if config.learn else None, config.buffer_policy,
+                     config.buffer_records, on_event=lambda event: log({**event, "requests_served": len(rows)}))
+    log({"event": "start", "router": router.policy, "learn": config.learn})
     probes: list[tuple[int, Query]] = []
     try:
         for i, query in enumerate(queries):
             params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
             prompt = list(query.messages) if query.messages else query.prompt
-            busy = learner is not None and learner.busy
-            version = getattr(proposer, "version", None)
-            out = decoder.generate(prompt, params, trace=learner is not None)
-            row = {"i": i, "id": query.id, "domain": query.domain, "draft_version": version, **_stats_row(out.stats),
-                   "learner_busy": busy or (learner is not None and learner.busy), "time": time.time()}
+            draft = pool.route(query.domain)
+            busy, version = pool.busy, draft.version
+            out = draft.decoder.generate(prompt, params, trace=draft.learner is not None)
+            row = {"i": i, "id": query.id, "domain": query.domain, "draft": draft.name, "draft_version": version,
+                   **_stats_row(out.stats), "learner_busy": busy or pool.busy, "time": time.time()}
             if config.compare_every and i % config.compare_every == 0:
                 row["static"], row["target_alone"], row["identical"] = _probe(static, alone, prompt, params, out.token_ids, len(probes))
                 probes.append((len(rows), query))
             rows.append(row)
             row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]])[-1]
-            if learner is not None:
-                learner.observe(out, query.domain, query.id, train=query.train)  # durable before the row is logged
+            pool.observe(draft, out, query.domain, query.id, train=query.train)  # durable before the row is logged
             log({"event": "request", **row})
             if on_request:
                 on_request(row)
-        if learner is not None:
+        if pool.learners:
             say("waiting for the update in flight")
-            learner.wait()
-        if probes and learner is not None and config.check_learning_off:
+            pool.wait()
+        if probes and pool.learners and config.check_learning_off:
             say(f"serving the {len(probes)} probe requests again with the learner stopped")
             for n, (index, query) in enumerate(probes):
                 params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
@@ -150,7 +155,7 @@ def run_stream(
                 row["static_learning_off"], row["target_alone_learning_off"], _ = _probe(static, alone, prompt, params, None, n)
     finally:
         events.close()
-    return summarize(rows, config, learner)
+    return summarize(rows, config, pool)
 
 
 def _probe(static: SpeculativeDecoder, alone: SpeculativeDecoder, prompt, params: SamplingParams, served, turn: int):
@@ -173,7 +178,7 @@ def _median_ratio(rows: list[dict], a: str | None, b: str) -> float:
     return statistics.median(ratios) if ratios else 0.0
 
 
-def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | None) -> dict:
+def summarize(rows: list[dict], config: OnlineConfig, pool: DraftPool | None = None) -> dict:
     def figures(part: list[dict]) -> dict:
         head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
         return {
@@ -191,7 +196,7 @@ def summarize(rows: list[dict], config: OnlineConfig, learner: OnlineLearner | N
         "config": asdict(config),
         "summary": figures(rows) if rows else {},
         "domains": {d: figures([r for r in rows if r["domain"] == d]) for d in domains},
-        "updates": [asdict(r) for r in learner.reports] if learner else [],
+        "updates": [{"draft": name, **asdict(r)} for name, r in pool.reports()] if pool else [],
         "requests": rows,
     }
     probed = [r for r in rows if "static" in r]
