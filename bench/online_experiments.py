@@ -142,6 +142,7 @@ def online_run(name: str, queries: list, original: Path, compare_every: int) -> 
     config = OnlineConfig(
         draft=f"head:{original}", k=K, max_new_tokens=NEW_TOKENS, adaptive_k=False, compare_every=compare_every,
         buffer_policy="window", buffer_records=2000, learner=LearnerConfig(**LEARNER),
+        router="single",  # the paper's Figures 3 and 4: one draft follows the stream across its shifts
     )
     started = time.time()
 
@@ -166,8 +167,9 @@ def online_versions(target, original: Path, result: dict, run_dir: Path) -> dict
     """The online draft as it stood at the end of each domain segment of the abrupt stream, and at the end."""
     from onlinespec.api import load_head
     from onlinespec.online.registry import DraftRegistry
+    from onlinespec.routing import SHARED
 
-    registry = DraftRegistry(run_dir / "drafts")
+    registry = DraftRegistry(run_dir / "drafts" / SHARED)
     rows = result["requests"]
     picks = {}
     for i, row in enumerate(rows):

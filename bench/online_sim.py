@@ -2,7 +2,7 @@
 
 Every I requests, S steps of batch B at learning rate LR on all of the domain's answers so far
 (the target's greedy answers, as the online recorder keeps them), then the next I requests are
-scored by replaying speculative decoding (k = 4). ``fresh`` builds a new AdamW for every update,
+scored by replaying speculative decoding (k = 4), beside the starting head on the same requests. ``fresh`` builds a new AdamW for every update,
 as the learner did before it carried the optimizer state on.
 
     python bench/online_sim.py I S B LR DOMAIN [fresh] [packaged]     # e.g. 25 40 64 1e-3 code: ~1 min
@@ -36,11 +36,14 @@ def main() -> None:
     signal = teacher_signal(target, streams(target.tokenizer)[0])
     index = [i for i, d in enumerate(signal.domains) if d == domain]
     head = load_head(DEFAULT_HEAD if packaged else original_head(target), target)
+    static = head.clone()  # the starting head, never trained: each block's baseline
     make = lambda: torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)  # noqa: E731
-    optimizer, generator, curve, started = make(), torch.Generator().manual_seed(0), [], time.time()
+    optimizer, generator, curve, baseline, started = make(), torch.Generator().manual_seed(0), [], [], time.time()
+    alpha = lambda scored: sum(a for a, _ in scored) / sum(j for _, j in scored)  # noqa: E731
     for start in range(0, len(index), interval):
-        scored = replay_acceptance(head, signal.select(index[start: start + interval]), 4)
-        curve.append(sum(a for a, _ in scored) / sum(j for _, j in scored))
+        block = signal.select(index[start: start + interval])
+        curve.append(alpha(replay_acceptance(head, block, 4)))
+        baseline.append(alpha(replay_acceptance(static, block, 4)))
         task = ChainTask(signal.select(index[: start + interval]), ChainConfig(generated_only=True))
         if fresh:
             optimizer = make()
@@ -49,6 +52,9 @@ def main() -> None:
             task.step(head, optimizer, task.starts[pick].tolist(), DistillConfig())
     print(interval, steps, batch, lr, domain, "fresh" if fresh else "persistent", "packaged head" if packaged else "chat-only head", " ".join(f"{c:.3f}" for c in curve),
           f"{time.time() - started:.0f} s")
+    print("static head, same blocks:", " ".join(f"{c:.3f}" for c in baseline))
+    print(f"learned - static: mean over blocks 2.. {sum(c - b for c, b in zip(curve[1:], baseline[1:])) / max(1, len(curve) - 1):+.3f}, "
+          f"last 4 blocks {sum(c - b for c, b in zip(curve[-4:], baseline[-4:])) / 4:+.3f}")
 
 
 if __name__ == "__main__":

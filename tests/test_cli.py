@@ -118,12 +118,15 @@ def test_drafts_lists_versions_and_rolls_back(tmp_path):
 
 @pytest.mark.slow
 def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(tmp_path):
-    result = runner.invoke(app, ["demo", "--per-domain", "2", "--max-new-tokens", "6", "--update-interval", "2",
+    result = runner.invoke(app, ["demo", "--per-domain", "3,2,2", "--max-new-tokens", "6", "--update-interval", "2",
                                  "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "online.json").read_text())
-    assert [r["domain"] for r in data["requests"]] == ["code", "code", "math", "math", "chat", "chat"]
+    assert [r["domain"] for r in data["requests"]] == ["math_ml"] * 3 + ["code", "code", "chat", "chat"]
+    assert [r["draft"] for r in data["requests"]] == ["math_ml"] * 3 + ["code", "code", "chat", "chat"]
     comparison = data["comparison"]
-    assert comparison["n_requests"] == 6 and comparison["identical"] == 6
+    assert comparison["n_requests"] == 7 and comparison["identical"] == 7
     report = (tmp_path / "run" / "report.md").read_text()
+    bad = runner.invoke(app, ["demo", "--per-domain", "3,2", "--out-dir", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "--per-domain" in bad.output
     assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0

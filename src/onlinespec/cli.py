@@ -169,32 +169,49 @@ def distill(
     console.print(json.dumps(result["heldout"], indent=1))
 
 
+DEMO_DOMAINS, DEMO_BLOCKS = "math_ml,code,chat", "80,20,20"
+
+
 @app.command()
 def demo(
-    per_domain: Annotated[int, typer.Option(min=2, help="requests per domain block of the stream")] = 20,
-    domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages")] = "code,math,chat",
+    per_domain: Annotated[str, typer.Option(help="requests per domain block: one number for every block, or one per domain")] = DEMO_BLOCKS,
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages, which the default draft never saw")] = DEMO_DOMAINS,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
-    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I requests")] = 10,
-    out_dir: Annotated[Path, typer.Option(help="stream, buffer, draft registry, event log, results and report")] = Path("runs/demo"),
+    update_interval: Annotated[int, typer.Option(min=1, help="I: update each draft every I of its requests")] = 10,
+    out_dir: Annotated[Path, typer.Option(help="stream, buffers, draft registries, event log, results and report")] = Path("runs/demo"),
 ) -> None:
     """The main job on the embedded default: a real query stream with domain shifts, served by
-    the default draft (n-gram lookup + the packaged feature head, adaptive k) while it learns
-    online; every request is also served by the same draft kept static and by the target alone,
-    and the report compares the three."""
+    the default draft (n-gram lookup + the packaged feature head, adaptive k), one copy per domain,
+    each learning its domain's traffic online; every request is also served by the same draft
+    kept static and by the target alone, and the report compares the three."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import abrupt_shifts, split
     from onlinespec.online.stream import OnlineConfig
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
+    blocks = _user_errors(lambda: _blocks(per_domain, names))
     pools = _user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
-    queries = _user_errors(lambda: abrupt_shifts(pools, per_domain, seed=0))
+    queries = _user_errors(lambda: abrupt_shifts(pools, blocks, seed=0))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
     config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=1, check_learning_off=False, learner=learner)
     _serve_online(queries, config, out_dir / "run", out_dir / "online.json",
-                  f"Online demo: {' -> '.join(names)}, {per_domain} requests each, default draft {DEFAULT_DRAFT}")
+                  f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain")
+
+
+def _blocks(per_domain: str, names: list[str]) -> dict[str, int]:
+    """'20' (every block) or '80,20,20' (one per domain) -> {domain: requests}."""
+    try:
+        counts = [int(n) for n in per_domain.split(",")]
+    except ValueError:
+        raise ValueError(f"--per-domain {per_domain!r}: write one whole number, or one per domain, e.g. 80,20,20") from None
+    if len(counts) == 1:
+        counts *= len(names)
+    if len(counts) != len(names) or min(counts) < 2:
+        raise ValueError(f"--per-domain {per_domain!r}: give one number (>= 2) for every block, or one per domain ({len(names)})")
+    return dict(zip(names, counts))
 
 
 @app.command()
@@ -278,7 +295,8 @@ def _serve_online(queries, config, out_dir: Path, json_out: Path, title: str) ->
         c = result["comparison"]
         tps = c["tokens_per_s"]
         out.print(f"same {c['n_requests']} requests: online {tps['online']:.1f} tok/s, static {tps['static']:.1f}, target alone "
-                  f"{tps['target_alone']:.1f} (online / static {tps['online'] / tps['static']:.2f}x, online / target alone "
+                  f"{tps['target_alone']:.1f} (online / static {tps['online'] / tps['static']:.3f}x, 95% interval "
+                  f"{c['online/static_95ci'][0]:.3f}-{c['online/static_95ci'][1]:.3f}; online / target alone "
                   f"{tps['online'] / tps['target_alone']:.2f}x); greedy identical {c['identical']}/{c['n_requests']}")
     return result
 

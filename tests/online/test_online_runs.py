@@ -118,6 +118,8 @@ def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_folder
     comparison = result["comparison"]
     assert comparison["n_requests"] == 4 and comparison["identical"] == 4
     assert set(comparison["tokens_per_s"]) == {"online", "static", "target_alone"}
+    low, high = comparison["online/static_95ci"]  # a paired bootstrap interval around the pooled ratio
+    assert low <= comparison["tokens_per_s"]["online"] / comparison["tokens_per_s"]["static"] <= high
     assert comparison["learning_on_vs_off"]["static"] > 0
     assert set(result["domains"]) == {"code", "chat"}
     assert [r["draft"] for r in rows] == ["code"] * 4 + ["chat"] * 4  # one draft per domain

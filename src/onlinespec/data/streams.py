@@ -41,12 +41,13 @@ def split(queries: Sequence[Query], name: str, fractions: Sequence[float] = (0.5
     return [q for q in queries if split_of(q.id, fractions) == name]
 
 
-def abrupt_shifts(pools: Mapping[str, Sequence[Query]], every: int, seed: int = 0) -> list[Query]:
-    """``every`` queries of each domain in turn, in the mapping's order (each pool shuffled)."""
+def abrupt_shifts(pools: Mapping[str, Sequence[Query]], every: int | Mapping[str, int], seed: int = 0) -> list[Query]:
+    """``every`` queries of each domain in turn (or ``every[domain]``), in the mapping's order
+    (each pool shuffled)."""
     rng = random.Random(seed)
     stream: list[Query] = []
     for domain, pool in pools.items():
-        stream += _draw(pool, every, rng, domain)
+        stream += _draw(pool, every if isinstance(every, int) else every[domain], rng, domain)
     return stream
 
 

@@ -38,6 +38,11 @@ def write_report(results: dict[str, dict], out_dir: str | Path, title: str, comm
     return path
 
 
+def ci_text(comparison: dict) -> str:
+    interval = comparison.get("online/static_95ci")
+    return f" (95% bootstrap interval over requests {interval[0]:.3f}-{interval[1]:.3f})" if interval else ""
+
+
 def update_counts(updates: list[dict]) -> list[str]:
     """'draft code: 3 updates, 1 published', one per draft, in the order the drafts first updated."""
     by_draft: dict[str, list[dict]] = {}
@@ -85,7 +90,7 @@ def comparison_lines(label: str, comparison: dict | None) -> list[str]:
         f"| tokens/s | {tps['online']:.1f} | {tps['static']:.1f} | {tps['target_alone']:.1f} |",
         f"| median ratio to target alone | {ratio['online/target_alone']:.2f}x | {ratio['static/target_alone']:.2f}x | 1.00x |",
         f"| alpha | {alpha['online']:.3f} | {alpha['static']:.3f} | - |",
-        "", f"Online / static: {tps['online'] / tps['static']:.2f}x pooled, {ratio['online/static']:.2f}x median per request. "
+        "", f"Online / static: {tps['online'] / tps['static']:.3f}x pooled{ci_text(comparison)}, {ratio['online/static']:.3f}x median per request. "
         f"Greedy output identical on {comparison['identical']}/{comparison['n_requests']}.",
     ]
     onoff = comparison.get("learning_on_vs_off")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import statistics
 import threading
 import time
@@ -178,6 +179,18 @@ def _median_ratio(rows: list[dict], a: str | None, b: str) -> float:
     return statistics.median(ratios) if ratios else 0.0
 
 
+def bootstrap_ratio(rows: list[dict], a: str | None, b: str, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of pooled tokens/s ``a`` / ``b`` over the requests, resampled with
+    replacement (paired: each request keeps both its measurements), with a fixed seed."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n):
+        sample = [rng.choice(rows) for _ in rows]
+        ratios.append(_throughput(sample, a) / _throughput(sample, b))
+    ratios.sort()
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
 def summarize(rows: list[dict], config: OnlineConfig, pool: DraftPool | None = None) -> dict:
     def figures(part: list[dict]) -> dict:
         head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
@@ -209,6 +222,7 @@ def summarize(rows: list[dict], config: OnlineConfig, pool: DraftPool | None = N
             "median_ratio": {"online/target_alone": _median_ratio(probed, None, "target_alone"),
                              "static/target_alone": _median_ratio(probed, "static", "target_alone"),
                              "online/static": _median_ratio(probed, None, "static")},
+            "online/static_95ci": bootstrap_ratio(probed, None, "static"),
             "acceptance_rate": {"online": figures(probed)["acceptance_rate_pooled"],
                                 "static": sum(r["static"]["accepted"] for r in probed) / max(1, sum(r["static"]["judged"] for r in probed))},
         }
