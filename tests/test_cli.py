@@ -127,6 +127,9 @@ def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(
     comparison = data["comparison"]
     assert comparison["n_requests"] == 7 and comparison["identical"] == 7
     report = (tmp_path / "run" / "report.md").read_text()
+    again = runner.invoke(app, ["demo", "--per-domain", "2", "--max-new-tokens", "4", "--out-dir", str(tmp_path)])
+    assert again.exit_code == 0 and "removed the previous demo run" in again.output  # each demo starts afresh
+    assert json.loads((tmp_path / "online.json").read_text())["requests"][0]["draft_version"] == "v0001"
     bad = runner.invoke(app, ["demo", "--per-domain", "3,2", "--out-dir", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--per-domain" in bad.output
     assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -194,6 +195,9 @@ def demo(
     pools = _user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
     queries = _user_errors(lambda: abrupt_shifts(pools, blocks, seed=0))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "run").exists():  # a demo starts from the packaged draft every time (`online` resumes instead)
+        shutil.rmtree(out_dir / "run")
+        console.print(f"removed the previous demo run in {out_dir / 'run'}: the demo starts from the packaged draft")
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
     config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=1, check_learning_off=False, learner=learner)
