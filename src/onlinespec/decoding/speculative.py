@@ -276,7 +276,7 @@ class SpeculativeDecoder:
 
     def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict, hidden: torch.Tensor | None) -> RoundTrace:
         top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
-        draft_probs = None
+        draft_probs = proposal.confidences or None  # a greedy head: q(x_i) of its own choice, at temperature 1
         if proposal.probs is not None:
             draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
         kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None

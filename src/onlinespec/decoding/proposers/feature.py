@@ -62,7 +62,8 @@ class FeatureHeadProposer:
         head = self.head
         feature, token = self._feature.float(), torch.tensor(ids[-1])
         tokens, confidences, rows = [], [], []
-        keep_probs = with_probs or not params.greedy
+        # greedy: the trace's q(x_i) is in the confidences, so full rows are built only to sample
+        keep_probs = not params.greedy
         for _ in range(k):
             feature = head.step(feature, token)
             logits = head.logits(feature)
