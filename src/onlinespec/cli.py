@@ -16,6 +16,7 @@ from rich.table import Table
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.routing import MAX_DRAFTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
@@ -244,7 +245,7 @@ def online(
     cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = 1.0,
     gate_by: Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")] = LearnerConfig.gate_by,
     router: Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")] = "domain",
-    max_drafts: Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")] = 8,
+    max_drafts: Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")] = MAX_DRAFTS,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-round k from the cost model, or always k")] = True,
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")] = True,
     compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft and the target alone (0: never)")] = 0,

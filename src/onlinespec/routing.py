@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 SHARED = "shared"
 ROUTERS = ("single", "domain")
+MAX_DRAFTS = 8  # default: domains beyond this many share one draft
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -33,7 +34,7 @@ def draft_name(domain: str) -> str:
 class Router:
     """``router(domain) -> draft name``; remembers which domains already have a draft."""
 
-    def __init__(self, policy: str = "domain", max_drafts: int = 8, known: Iterable[str] = ()) -> None:
+    def __init__(self, policy: str = "domain", max_drafts: int = MAX_DRAFTS, known: Iterable[str] = ()) -> None:
         if policy not in ROUTERS:
             raise ValueError(f"unknown router {policy!r}: use one of {ROUTERS}")
         if max_drafts < 1:

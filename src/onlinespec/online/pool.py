@@ -36,6 +36,14 @@ class Draft:
         return getattr(self.decoder.proposer, "version", None)
 
 
+def saved_drafts(out_dir: str | Path) -> list[str]:
+    """The drafts that a previous run in ``out_dir`` published, oldest first (a restart routes
+    their domains to them again)."""
+    root = Path(out_dir) / "drafts"
+    found = [p for p in root.iterdir() if (p / "CURRENT").exists()] if root.is_dir() else []
+    return [p.name for p in sorted(found, key=lambda p: (p / "v0001").stat().st_mtime if (p / "v0001").exists() else 0)]
+
+
 class DraftPool:
     def __init__(
         self,
@@ -54,16 +62,8 @@ class DraftPool:
         self.buffer_policy, self.buffer_records = buffer_policy, buffer_records
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
-        if learner is not None and self.router.policy != "single":  # a restart: domains that already have a draft
-            self.router = Router(self.router.policy, self.router.max_drafts, self.saved_drafts())
         self.drafts: dict[str, Draft] = {}
         self._slot = threading.Semaphore(1)
-
-    def saved_drafts(self) -> list[str]:
-        """Drafts that a previous run on this folder published, oldest first."""
-        root = self.out_dir / "drafts"
-        found = [p for p in root.iterdir() if (p / "CURRENT").exists()] if root.is_dir() else []
-        return [p.name for p in sorted(found, key=lambda p: (p / "v0001").stat().st_mtime if (p / "v0001").exists() else 0)]
 
     def route(self, domain: str) -> Draft:
         """The draft that serves a request of ``domain`` (created on first use)."""
@@ -76,6 +76,8 @@ class DraftPool:
         decoder = self.new_decoder()
         learner = None
         if self.learner_config is not None:
+            if not hasattr(decoder.proposer, "swap_model"):
+                raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {getattr(decoder.proposer, 'name', 'none')!r}")
             buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records)
             registry = DraftRegistry(self.out_dir / "drafts" / name)
             learner = OnlineLearner(decoder.proposer, buffer, registry, self.learner_config,
@@ -106,10 +108,6 @@ class DraftPool:
         """Block until the updates in flight end (shutdown; serving never waits)."""
         for learner in self.learners:
             learner.wait()
-
-    def stop(self) -> None:
-        for learner in self.learners:
-            learner.stop()
 
     def reports(self) -> list[tuple[str, UpdateReport]]:
         """Every update of every draft, as (draft name, report), in the order they ended."""

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from onlinespec.online.stream import moving_average  # noqa: E402
+from onlinespec.routing import SHARED  # noqa: E402
 
 
 def write_report(results: dict[str, dict], out_dir: str | Path, title: str, command: str = "") -> Path:
@@ -47,7 +48,7 @@ def update_counts(updates: list[dict]) -> list[str]:
     """'draft code: 3 updates, 1 published', one per draft, in the order the drafts first updated."""
     by_draft: dict[str, list[dict]] = {}
     for update in updates:
-        by_draft.setdefault(update.get("draft", "shared"), []).append(update)
+        by_draft.setdefault(update.get("draft", SHARED), []).append(update)
     return [f"draft {name}: {len(us)} updates, {sum(bool(u['version']) for u in us)} published" for name, us in by_draft.items()]
 
 

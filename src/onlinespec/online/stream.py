@@ -36,8 +36,8 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.online.pool import DraftPool
-from onlinespec.routing import ROUTERS, Router
+from onlinespec.online.pool import DraftPool, saved_drafts
+from onlinespec.routing import MAX_DRAFTS, ROUTERS, Router
 
 MOVING_AVERAGE = 50
 
@@ -54,7 +54,7 @@ class OnlineConfig:
     buffer_records: int = 2000
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     router: str = "domain"  # domain: one draft per request domain (learning only); single: one shared draft
-    max_drafts: int = 8  # domains beyond this many share one draft
+    max_drafts: int = MAX_DRAFTS  # domains beyond this many share one draft
     adaptive_k: bool = True  # per-round k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster (shared by all decoders)
     compare_every: int = 0  # serve every N-th request also with the static draft and the target alone
@@ -97,8 +97,6 @@ def run_stream(
     say = on_status or (lambda text: None)
     say("loading the target and the draft")
     target = load_model(config.target, config.dtype)
-    if config.learn and not hasattr(make_proposer(config.draft, target, config.dtype).proposer, "swap_model"):
-        raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {config.draft!r}")
     say("measuring the target's verify-cost curve")
     options = engine_options(target, config.k, adaptive=config.adaptive_k, kernels=config.kernels) if config.draft != "none" else {}
 
@@ -121,7 +119,7 @@ def run_stream(
             events.flush()
 
     rows: list[dict] = []
-    router = Router(config.router if config.learn else "single", config.max_drafts)
+    router = Router(config.router if config.learn else "single", config.max_drafts, saved_drafts(out_dir) if config.learn else ())
     pool = DraftPool(new_decoder, out_dir, router, config.learner if config.learn else None, config.buffer_policy,
                      config.buffer_records, on_event=lambda event: log({**event, "requests_served": len(rows)}))
     log({"event": "start", "router": router.policy, "learn": config.learn})
