@@ -138,13 +138,18 @@ def test_drafts_sharing_an_update_slot_update_one_at_a_time_and_none_is_dropped(
         proposer = DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32))
         learners[name] = OnlineLearner(
             proposer, ReplayBuffer(tmp_path / name / "buffer", policy="window"), DraftRegistry(tmp_path / name / "drafts"),
-            LearnerConfig(update_interval=4, steps_per_update=300, batch_size=8, priority="normal", position_policy="verified"),
+            LearnerConfig(update_interval=4, steps_per_update=20, batch_size=8, priority="normal", position_policy="verified"),
             on_event=lambda event, name=name: events.append((name, event["event"], time.perf_counter())), slot=slot)
+    # Hold the code draft's update until the maths draft is due, whatever the machine's speed.
+    release, run_code_update = threading.Event(), learners["code"]._run_update
+    learners["code"]._run_update = lambda: (release.wait(60), run_code_update())
     for name, learner in learners.items():
         decoder = SpeculativeDecoder(target, None, learner.proposer, k=3)
         for prompt in prompts(4, seed=len(name)):
             learner.observe(decoder.generate(prompt, PARAMS, trace=True), domain=name)
     assert learners["code"].busy and not learners["math"].busy and learners["math"].due  # waiting for the slot
+    assert not learners["math"].maybe_update()  # the slot is taken
+    release.set()
     while not learners["math"].maybe_update():  # what the pool does after every request
         time.sleep(0.01)
     learners["math"].wait()
