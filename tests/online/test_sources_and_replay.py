@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
+from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import SignalConfig, build_signal
@@ -90,25 +91,32 @@ def test_learner_budget_is_validated():
             LearnerConfig(**bad)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thread, k):
-    """The replayed (accepted, judged) of each request equal the live engine's, head for head."""
+@pytest.mark.parametrize("k,hybrid", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thread, k, hybrid):
+    """The replayed (accepted, judged) of each request equal the live engine's, head for head,
+    and for the hybrid of n-gram lookup and the head, source by source."""
     torch.manual_seed(0)
     target = tiny_llama(seed=3, vocab_size=len(default_tokenizer), hidden_size=32, head_scale=30.0)
+    if hybrid:  # it writes from 8 tokens only, so its text repeats and n-gram lookup finds matches
+        with torch.no_grad():
+            target.lm_head.weight[torch.ones(len(default_tokenizer), dtype=torch.bool).index_fill_(0, torch.arange(100, 108), False)] = 0
     queries = [Query(id=f"q{i}", domain="code", source="test", prompt=text) for i, text in enumerate(["def add(a, b):", "Hello there", "1 + 1 ="])]
-    signal = build_signal(target, default_tokenizer, queries, SignalConfig(max_new_tokens=20, batch_size=1), progress=False)
+    signal = build_signal(target, default_tokenizer, queries, SignalConfig(max_new_tokens=40, batch_size=1), progress=False)
     head = FeatureHead.for_target(target, torch.unique(signal.top_ids[:, :2]), intermediate_size=32, num_blocks=1)
     task = ChainTask(signal, ChainConfig(depth=2))  # train it a little: rounds then accept some and reject some
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
     for _ in range(60):
         task.step(head, optimizer, task.starts.tolist(), DistillConfig())
     head.requires_grad_(False)
-    replayed = replay_acceptance(head, signal, k)
+    sources = {}
+    replayed = replay_acceptance(head, signal, k, ngram=(3, 2) if hybrid else None, by_source=sources)
     assert 0 < sum(a for a, _ in replayed) < sum(j for _, j in replayed)  # some accepted, some rejected
-    decoder = SpeculativeDecoder(target, default_tokenizer, FeatureHeadProposer(head), k=k)
+    assert set(sources) == ({"ngram", "head"} if hybrid else {"head"})
+    proposer = HybridProposer(FeatureHeadProposer(head), 3, 2) if hybrid else FeatureHeadProposer(head)
+    decoder = SpeculativeDecoder(target, default_tokenizer, proposer, k=k)
     for i, (query, (accepted, judged)) in enumerate(zip(queries, replayed)):
-        out = decoder.generate(query.prompt, SamplingParams(max_new_tokens=20))
-        assert len(out.token_ids) == 20  # no EOS: replay is exact up to the last token
+        out = decoder.generate(query.prompt, SamplingParams(max_new_tokens=40))
+        assert len(out.token_ids) == 40  # no EOS: replay is exact up to the last token
         answer = signal.ids[int(signal.starts[i] + signal.prompt_lens[i]): int(signal.starts[i + 1])]
         assert out.token_ids == answer.tolist()
         assert (accepted, judged) == (out.stats.accepted, out.stats.accepted + out.stats.rejected)

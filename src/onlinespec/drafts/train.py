@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from onlinespec.decoding.proposers.ngram import lookup
 from onlinespec.distill.losses import SparseTeacher, distill_loss
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
@@ -136,7 +138,10 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = 4, batch: int
 
 
 @torch.inference_mode()
-def replay_acceptance(head: FeatureHead, signal: Signal, k: int, batch: int = 4096) -> list[tuple[int, int]]:
+def replay_acceptance(
+    head: FeatureHead, signal: Signal, k: int, batch: int = 4096,
+    ngram: tuple[int, int] | None = None, by_source: dict[str, list[int]] | None = None,
+) -> list[tuple[int, int]]:
     """Per sequence, ``(accepted, judged)``: what greedy speculative decoding with ``head`` proposing
     ``k`` tokens a round accepts over ``signal``'s generated text, without running the target.
 
@@ -148,6 +153,10 @@ def replay_acceptance(head: FeatureHead, signal: Signal, k: int, batch: int = 40
     ``p + n + 1``. This reproduces a real fixed-k run up to the features' numerics (batched
     generation vs one request) and the last round of an answer cut by EOS; docs/online.md checks
     it against live runs. It is how drafts that never served a stream are scored on it.
+
+    ``ngram=(max_ngram, min_ngram)`` replays the hybrid proposer instead: a round whose context
+    ends in an n-gram seen earlier proposes what followed it, the head proposes the others.
+    ``by_source``, when given, gains ``[accepted, judged]`` per source (``ngram`` / ``head``).
     """
     task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
     correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
@@ -157,6 +166,8 @@ def replay_acceptance(head: FeatureHead, signal: Signal, k: int, batch: int = 40
             correct[starts, j - 1] = (head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]) & valid
     # leading[t, m - 1]: how many of the first m steps from start t are accepted
     leading = torch.cumprod(correct.int(), 1).cumsum(1)
+    ids = signal.ids.cpu().numpy()
+    tally = by_source if by_source is not None else {}
     out = []
     for i in range(len(signal)):
         begin, end = int(signal.starts[i]), int(signal.starts[i + 1])
@@ -167,7 +178,14 @@ def replay_acceptance(head: FeatureHead, signal: Signal, k: int, batch: int = 40
             if proposed <= 0:
                 p += 1
                 continue
-            n = int(leading[p - 2, proposed - 1])
+            copied = lookup(ids[begin:p], proposed, *ngram) if ngram else []
+            if copied:
+                source, proposed = "ngram", len(copied)
+                n = int(np.cumprod(np.asarray(copied) == ids[p: p + proposed]).sum())
+            else:
+                source, n = "head", int(leading[p - 2, proposed - 1])
+            counts = tally.setdefault(source, [0, 0])
+            counts[0], counts[1] = counts[0] + n, counts[1] + min(n + 1, proposed)
             accepted, judged = accepted + n, judged + min(n + 1, proposed)
             p += n + 1
         out.append((accepted, judged))
