@@ -275,13 +275,17 @@ class SpeculativeDecoder:
         return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, params), generator)
 
     def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict, hidden: torch.Tensor | None) -> RoundTrace:
-        top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
+        logits = logits.float()
+        # top-K of the raw logits, normalised by their log-sum-exp: the top-K of the log-softmax,
+        # without writing a whole vocabulary-sized row of it at every verified position
+        top = logits.topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
+        top_logprobs = top.values - torch.logsumexp(logits, -1, keepdim=True)
         draft_probs = proposal.confidences or None  # a greedy head: q(x_i) of its own choice, at temperature 1
         if proposal.probs is not None:
             draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
         kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None
         return RoundTrace(
-            position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token, kept
+            position, list(proposal.tokens), draft_probs, top.indices, top_logprobs, verdict.n_accepted, verdict.next_token, kept
         )
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:

@@ -138,7 +138,12 @@ def run_stream(
                 probes.append((len(rows), query))
             rows.append(row)
             row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]])[-1]
+            started = time.perf_counter()
             pool.observe(draft, out, query.domain, query.id, train=query.train)  # durable before the row is logged
+            # the online system's time includes recording the request (the static draft records nothing)
+            row["record_seconds"] = time.perf_counter() - started
+            row["seconds"] += row["record_seconds"]
+            row["tokens_per_s"] = row["new_tokens"] / row["seconds"] if row["seconds"] else 0.0
             log({"event": "request", **row})
             if on_request:
                 on_request(row)
