@@ -119,7 +119,7 @@ def test_drafts_lists_versions_and_rolls_back(tmp_path):
 @pytest.mark.slow
 def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(tmp_path):
     result = runner.invoke(app, ["demo", "--per-domain", "3,2,2", "--max-new-tokens", "6", "--update-interval", "2",
-                                 "--out-dir", str(tmp_path)])
+                                 "--compare-every", "1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "online.json").read_text())
     assert [r["domain"] for r in data["requests"]] == ["math_ml"] * 3 + ["code", "code", "chat", "chat"]

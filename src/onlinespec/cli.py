@@ -171,7 +171,7 @@ def distill(
     console.print(json.dumps(result["heldout"], indent=1))
 
 
-DEMO_DOMAINS, DEMO_BLOCKS = "math_ml,code,chat", "80,20,20"
+DEMO_DOMAINS, DEMO_BLOCKS = "math_ml,code,chat", "200,20,20"
 
 
 @app.command()
@@ -180,11 +180,12 @@ def demo(
     domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages, which the default draft never saw")] = DEMO_DOMAINS,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     update_interval: Annotated[int, typer.Option(min=1, help="I: update each draft every I of its requests")] = 10,
+    compare_every: Annotated[int, typer.Option(min=1, help="serve every N-th request also with the static draft and the target alone")] = 2,
     out_dir: Annotated[Path, typer.Option(help="stream, buffers, draft registries, event log, results and report")] = Path("runs/demo"),
 ) -> None:
     """The main job on the embedded default: a real query stream with domain shifts, served by
     the default draft (n-gram lookup + the packaged feature head, adaptive k), one copy per domain,
-    each learning its domain's traffic online; every request is also served by the same draft
+    each learning its domain's traffic online; every other request is also served by the same draft
     kept static and by the target alone, and the report compares the three."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
@@ -201,7 +202,7 @@ def demo(
         console.print(f"removed the previous demo run in {out_dir / 'run'}: the demo starts from the packaged draft")
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
-    config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=1, check_learning_off=False, learner=learner)
+    config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=compare_every, check_learning_off=False, learner=learner)
     _serve_online(queries, config, out_dir / "run", out_dir / "online.json",
                   f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain")
 
