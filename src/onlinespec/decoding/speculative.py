@@ -229,6 +229,8 @@ class SpeculativeDecoder:
             tick = time.perf_counter()
             logits, hidden = self._forward(block + block[-1:] * pad, cache, n + 1 + pad, features)
             logits = logits[: n + 1]
+            if not logits.is_contiguous():  # the small-batch kernels return [V, n] transposed: every
+                logits = torch.stack(tuple(logits))  # row-wise op after this runs 3-5x faster on rows
             target_seconds = time.perf_counter() - tick
             stats.timings.append(RoundTiming(len(proposal), proposal.forward_seconds, target_seconds))
             stats.target_seconds += target_seconds
@@ -275,17 +277,13 @@ class SpeculativeDecoder:
         return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, params), generator)
 
     def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict, hidden: torch.Tensor | None) -> RoundTrace:
-        logits = logits.float()
-        # top-K of the raw logits, normalised by their log-sum-exp: the top-K of the log-softmax,
-        # without writing a whole vocabulary-sized row of it at every verified position
-        top = logits.topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
-        top_logprobs = top.values - torch.logsumexp(logits, -1, keepdim=True)
+        top = torch.log_softmax(logits.float(), -1).topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
         draft_probs = proposal.confidences or None  # a greedy head: q(x_i) of its own choice, at temperature 1
         if proposal.probs is not None:
             draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
         kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None
         return RoundTrace(
-            position, list(proposal.tokens), draft_probs, top.indices, top_logprobs, verdict.n_accepted, verdict.next_token, kept
+            position, list(proposal.tokens), draft_probs, top.indices, top.values, verdict.n_accepted, verdict.next_token, kept
         )
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:

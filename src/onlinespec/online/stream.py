@@ -8,8 +8,9 @@ and returns per-request rows and a summary (also per domain, with the moving ave
 over the last 50 requests, as the paper reports it).
 
 Side-by-side comparison (``compare_every = N``): every N-th request is also served, in the same
-process and right after the online system, by the STARTING draft kept static and by the target
-alone, so the three are measured on the same requests under the same machine load. After the
+process and right before or after the online system (alternately), by the STARTING draft kept
+static and by the target alone, so the three are measured on the same requests under the same
+machine load. After the
 stream, once the learner has stopped, those probe requests are served again by the static draft
 and the target alone: the ratio of the two passes is the serving throughput kept while the
 learner runs in the background (issue 4's 85% must-show), with the work held fixed.
@@ -129,12 +130,17 @@ def run_stream(
             params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
             prompt = list(query.messages) if query.messages else query.prompt
             draft = pool.route(query.domain)
+            probe = bool(config.compare_every) and i % config.compare_every == 0
+            # on probe requests the online system goes first on every other one, last on the rest
+            before = _probe(static, alone, prompt, params, len(probes)) if probe and len(probes) % 2 else None
             busy, version = pool.busy, draft.version
             out = draft.decoder.generate(prompt, params, trace=draft.learner is not None)
             row = {"i": i, "id": query.id, "domain": query.domain, "draft": draft.name, "draft_version": version,
                    **_stats_row(out.stats), "learner_busy": busy or pool.busy, "time": time.time()}
-            if config.compare_every and i % config.compare_every == 0:
-                row["static"], row["target_alone"], row["identical"] = _probe(static, alone, prompt, params, out.token_ids, len(probes))
+            if probe:
+                outs = before or _probe(static, alone, prompt, params, len(probes))
+                row["static"], row["target_alone"] = _stats_row(outs["static"].stats), _stats_row(outs["alone"].stats)
+                row["identical"] = outs["static"].token_ids == out.token_ids == outs["alone"].token_ids
                 probes.append((len(rows), query))
             rows.append(row)
             row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]])[-1]
@@ -155,20 +161,17 @@ def run_stream(
             for n, (index, query) in enumerate(probes):
                 params = SamplingParams(max_new_tokens=query.max_new_tokens or config.max_new_tokens)
                 prompt = list(query.messages) if query.messages else query.prompt
-                row = rows[index]
-                row["static_learning_off"], row["target_alone_learning_off"], _ = _probe(static, alone, prompt, params, None, n)
+                outs = _probe(static, alone, prompt, params, n)
+                rows[index]["static_learning_off"], rows[index]["target_alone_learning_off"] = (_stats_row(outs[name].stats) for name in ("static", "alone"))
     finally:
         events.close()
     return summarize(rows, config, pool)
 
 
-def _probe(static: SpeculativeDecoder, alone: SpeculativeDecoder, prompt, params: SamplingParams, served, turn: int):
-    """Serve one request with the static draft and with the target alone (alternating which goes
-    first); whether all outputs are identical (greedy) when ``served`` is given."""
+def _probe(static: SpeculativeDecoder, alone: SpeculativeDecoder, prompt, params: SamplingParams, turn: int) -> dict:
+    """Serve one request with the static draft and with the target alone (alternating which goes first)."""
     order = [("static", static), ("alone", alone)][:: 1 if turn % 2 == 0 else -1]
-    outs = {name: decoder.generate(prompt, params) for name, decoder in order}
-    identical = None if served is None else outs["static"].token_ids == served == outs["alone"].token_ids
-    return _stats_row(outs["static"].stats), _stats_row(outs["alone"].stats), identical
+    return {name: decoder.generate(prompt, params) for name, decoder in order}
 
 
 def _throughput(rows: list[dict], key: str | None = None) -> float:
