@@ -112,6 +112,7 @@ class OnlineLearner:
         self._lock = threading.Lock()  # guards the buffer between serving and learner threads
         self._cancel = threading.Event()
         self.steps_done = 0  # optimizer steps taken by all updates (cancelled ones included)
+        self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
         current = registry.current()
         if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft"})
@@ -133,8 +134,11 @@ class OnlineLearner:
             model.tie_weights()
         return model.eval()
 
-    def observe(self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True) -> None:
-        """Record a served request (skipped when ``train`` is False) and start an update when due."""
+    def observe(
+        self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True, start: bool = True,
+    ) -> None:
+        """Record a served request (skipped when ``train`` is False) and, with ``start``, start an
+        update when due (a pool of drafts starts it itself, in the order the updates fell due)."""
         config = self.config
         records = records_from_generation(generation, config.position_policy, config.source, domain, request_id) if train else []
         with self._lock:
@@ -143,7 +147,10 @@ class OnlineLearner:
             self._records_seen += len(records)
             unit = self.config.interval_unit
             self._count += {"requests": 1, "records": len(records), "tokens": len(generation.token_ids)}[unit]
-        self.maybe_update()
+        if self.due and self.due_since is None:
+            self.due_since = time.monotonic()
+        if start:
+            self.maybe_update()
 
     @property
     def due(self) -> bool:
@@ -153,7 +160,7 @@ class OnlineLearner:
     def maybe_update(self) -> bool:
         """Start the update that is due, if this learner and the shared slot are free (serving thread)."""
         if self.due and self.start_update():
-            self._count = 0
+            self._count, self.due_since = 0, None
             return True
         return False
 

@@ -87,14 +87,16 @@ class DraftPool:
         return Draft(name, decoder, learner)
 
     def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> None:
-        """Record a served request with its draft's learner; then start any update that is due and
-        was waiting for the slot."""
+        """Record a served request with its draft's learner; then, if the slot is free, start the
+        update that has waited longest for it (first due, first served: none waits for ever)."""
         if draft.learner is None:
             return
-        draft.learner.observe(generation, domain, request_id, train)
-        for other in self.drafts.values():
-            if other is not draft and other.learner is not None:
-                other.learner.maybe_update()
+        draft.learner.observe(generation, domain, request_id, train, start=False)
+        self._start_next()
+
+    def _start_next(self) -> bool:
+        waiting = sorted((learner for learner in self.learners if learner.due), key=lambda learner: learner.due_since)
+        return any(learner.maybe_update() for learner in waiting[:1])
 
     @property
     def learners(self) -> list[OnlineLearner]:
@@ -104,10 +106,14 @@ class DraftPool:
     def busy(self) -> bool:
         return any(learner.busy for learner in self.learners)
 
-    def wait(self) -> None:
-        """Block until the updates in flight end (shutdown; serving never waits)."""
-        for learner in self.learners:
-            learner.wait()
+    def wait(self, drain: bool = False) -> None:
+        """Block until the updates in flight end (shutdown; serving never waits); with ``drain``,
+        then run the updates still due, one after another (the end of a stream)."""
+        while True:
+            for learner in self.learners:
+                learner.wait()
+            if not (drain and self._start_next()):
+                return
 
     def reports(self) -> list[tuple[str, UpdateReport]]:
         """Every update of every draft, as (draft name, report), in the order they ended."""

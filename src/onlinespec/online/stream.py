@@ -154,8 +154,8 @@ def run_stream(
             if on_request:
                 on_request(row)
         if pool.learners:
-            say("waiting for the update in flight")
-            pool.wait()
+            say("waiting for the update in flight, then running the updates still due")
+            pool.wait(drain=True)
         if probes and pool.learners and config.check_learning_off:
             say(f"serving the {len(probes)} probe requests again with the learner stopped")
             for n, (index, query) in enumerate(probes):
