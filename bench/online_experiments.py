@@ -129,27 +129,34 @@ LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, 
 def online_run(name: str, queries: list, original: Path, compare_every: int) -> dict:
     """Serve ``queries`` with the online system (the learner in the background, at low priority)."""
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.online.stream import OnlineConfig, run_stream
+    from onlinespec.online.stream import OnlineConfig
 
-    path = WORK / name / "result.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    run_dir = WORK / name / "run"
-    if run_dir.exists():  # a half-done run is not resumed into a figure: start it again
-        import shutil
-
-        shutil.rmtree(run_dir)
     config = OnlineConfig(
         draft=f"head:{original}", k=K, max_new_tokens=NEW_TOKENS, adaptive_k=False, compare_every=compare_every,
         buffer_policy="window", buffer_records=2000, learner=LearnerConfig(**LEARNER),
         router="single",  # the paper's Figures 3 and 4: one draft follows the stream across its shifts
     )
+    return serve_cached(WORK / name, name, queries, config)
+
+
+def serve_cached(folder: Path, name: str, queries: list, config) -> dict:
+    """Run the stream into ``folder`` (``result.json``, cached; the run in ``folder/run``), with progress."""
+    from onlinespec.online.stream import run_stream
+
+    path = folder / "result.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    run_dir = folder / "run"
+    if run_dir.exists():  # a half-done run is not resumed into a figure: start it again
+        import shutil
+
+        shutil.rmtree(run_dir)
     started = time.time()
 
     def progress(row: dict) -> None:
         if row["i"] % 25 == 0:
             print(f"[{name}] {row['i']:4d} {row['domain']:8s} alpha(50) {row['alpha_moving_average']:.3f} "
-                  f"{row['tokens_per_s']:5.1f} tok/s draft {row['draft_version']} ({time.time() - started:.0f} s)", flush=True)
+                  f"{row['tokens_per_s']:5.1f} tok/s draft {row['draft']} {row['draft_version']} ({time.time() - started:.0f} s)", flush=True)
 
     result = run_stream(queries, config, run_dir, progress, lambda text: print(f"[{name}] {text}", flush=True))
     path.write_text(json.dumps(result))

@@ -53,26 +53,45 @@ def update_counts(updates: list[dict]) -> list[str]:
 
 
 def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(10, 4))
+    """alpha over requests per run; where requests were also served by the static draft (probes),
+    its alpha on them, and a second panel with online / static tokens/s on the same requests."""
+    probed = {label: [r for r in result["requests"] if "static" in r] for label, result in results.items()}
+    compared = any(probed.values())
+    fig, axes = plt.subplots(2 if compared else 1, 1, figsize=(10, 7 if compared else 4), sharex=True, squeeze=False)
+    ax = axes[0][0]
     for label, result in results.items():
-        rows = result["requests"]
-        ax.plot([r["i"] for r in rows], [r["alpha_moving_average"] for r in rows], label=label)
-        if rows and all("static" in r for r in rows):  # served by the static draft too: its curve, live
-            average = moving_average([r["static"]["acceptance_rate"] for r in rows])
-            ax.plot([r["i"] for r in rows], average, label="static draft (same requests)", linestyle="--")
+        rows, probes = result["requests"], probed[label]
+        partial = bool(probes) and len(probes) < len(rows)
+        ax.plot([r["i"] for r in rows], [r["alpha_moving_average"] for r in rows], label=f"{label}, all requests" if partial else label,
+                **({"alpha": 0.35, "linewidth": 0.8} if partial else {}))
+        if probes:  # online and static on the same requests, each averaged over the same span of the stream
+            window = max(1, round(len(probes) / len(rows) * 50))
+            curves = [(label, None, "-")] if partial else []  # (with every request compared, the curve above is it)
+            for who, key, style in curves + [("static draft", "static", "--")]:
+                average = moving_average([(r[key] if key else r)["acceptance_rate"] for r in probes], window)
+                ax.plot([r["i"] for r in probes], average, linestyle=style,
+                        label=f"{who}, the {len(probes)} compared requests" if partial else "static draft (same requests)")
+            ratio = [r["tokens_per_s"] / r["static"]["tokens_per_s"] for r in probes if r["static"]["tokens_per_s"]]
+            axes[1][0].plot([r["i"] for r in probes if r["static"]["tokens_per_s"]], moving_average(ratio, window),
+                            label=f"{label} / static, moving average of {window} compared requests")
     rows = next(iter(results.values()))["requests"]
-    for i in range(1, len(rows)):
-        if rows[i]["domain"] != rows[i - 1]["domain"]:
-            ax.axvline(i, color="grey", linestyle="--", linewidth=0.8)
+    for row_axes in axes:
+        for i in range(1, len(rows)):
+            if rows[i]["domain"] != rows[i - 1]["domain"]:
+                row_axes[0].axvline(i, color="grey", linestyle="--", linewidth=0.8)
     start = 0
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i]["domain"] != rows[start]["domain"]:
             ax.text((start + i) / 2, 1.0, rows[start]["domain"], ha="center", va="bottom", transform=ax.get_xaxis_transform())
             start = i
-    ax.set_xlabel("request")
     ax.set_ylabel("alpha, moving average of the last 50 requests")
     ax.set_title(title, pad=18)
     ax.legend()
+    if compared:
+        axes[1][0].axhline(1.0, color="black", linewidth=0.8)
+        axes[1][0].set_ylabel("tokens/s ratio")
+        axes[1][0].legend()
+    axes[-1][0].set_xlabel("request")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,23 @@
+"""The online run's report: a table, and a plot that compares online and static on the same requests."""
+
+from onlinespec.online.report import write_report
+from onlinespec.online.stream import OnlineConfig, summarize
+
+
+def _row(i: int, domain: str, alpha: float, probed: bool) -> dict:
+    stats = {"acceptance_rate": alpha, "tau": 2.0, "accepted": round(alpha * 40), "judged": 40, "new_tokens": 48,
+             "seconds": 1.0 + alpha, "tokens_per_s": 48 / (1.0 + alpha)}
+    row = {"i": i, "id": f"q{i}", "domain": domain, "draft": domain, "draft_version": "v0001", **stats,
+           "alpha_moving_average": alpha, "learner_busy": False, "record_seconds": 0.002}
+    if probed:
+        row.update(static=dict(stats, acceptance_rate=alpha - 0.05), target_alone=dict(stats, tokens_per_s=20.0), identical=True)
+    return row
+
+
+def test_report_of_a_run_compared_on_every_other_request(tmp_path):
+    rows = [_row(i, "maths" if i < 30 else "code", 0.6 + 0.01 * (i % 7), probed=i % 2 == 0) for i in range(40)]
+    result = summarize(rows, OnlineConfig(compare_every=2))
+    path = write_report({"online": result}, tmp_path, "two domains", command="onlinespec online ...")
+    text = path.read_text()
+    assert "the same 20 requests, three ways" in text and "Greedy output identical on 20/20" in text
+    assert (tmp_path / "alpha.png").stat().st_size > 10_000
