@@ -36,6 +36,7 @@ import json
 import random
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -195,23 +196,23 @@ def report(results: dict, name: str) -> None:
     for view, title in (("hybrid", "As served (n-gram lookup + head)"), ("head", "The head alone (where the drafts differ)")):
         lines += [f"## {title}", "", "| domain | draft | alpha (segment) | moving average, last 50 | online catch-up |", "|---|---|---|---|---|"]
         for d, out in results["domains"].items():
-            for name, alpha in out[view]["alpha"].items():
-                cu = out[view]["catch_up"].get(name, "")
-                cu = "" if name not in out[view]["catch_up"] else ("not reached" if cu is None else f"request {cu}")
-                lines.append(f"| {d} | {name} | {alpha:.3f} | {out[view]['last_50'][name]:.3f} | {cu} |")
+            for draft, alpha in out[view]["alpha"].items():
+                cu = out[view]["catch_up"].get(draft, "")
+                cu = "" if draft not in out[view]["catch_up"] else ("not reached" if cu is None else f"request {cu}")
+                lines.append(f"| {d} | {draft} | {alpha:.3f} | {out[view]['last_50'][draft]:.3f} | {cu} |")
         lines.append("")
     fig, axes = plt.subplots(2, len(results["domains"]), figsize=(5 * len(results["domains"]), 7), squeeze=False)
     for col, (d, out) in enumerate(results["domains"].items()):
         for row, view in enumerate(("hybrid", "head")):
             ax = axes[row][col]
-            for name, curve in out[view]["curves"].items():
-                ax.plot(range(1, len(curve) + 1), curve, label=name, lw=2 if name.startswith("online") else 1)
+            for draft, curve in out[view]["curves"].items():
+                ax.plot(range(1, len(curve) + 1), curve, label=draft, lw=2 if draft.startswith("online") else 1)
             ax.set_title(f"{d}: {'as served' if view == 'hybrid' else 'head alone'}")
             ax.set_xlabel("request of the segment")
             ax.set_ylabel(f"alpha (moving average, {WINDOW})")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"online vs offline references: {s.get('command', '')}", fontsize=9)
+    fig.suptitle(textwrap.fill(s.get("command", ""), 40 * len(results["domains"])), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(DOCS / f"{name}.png", dpi=110)
     lines += [f"![online vs references]({name}.png)", ""]
