@@ -184,9 +184,10 @@ def replay_acceptance(
                 n = int(np.cumprod(np.asarray(copied) == ids[p: p + proposed]).sum())
             else:
                 source, n = "head", int(leading[p - 2, proposed - 1])
+            judged_now = min(n + 1, proposed)  # a fully accepted round judges no extra (bonus) token
             counts = tally.setdefault(source, [0, 0])
-            counts[0], counts[1] = counts[0] + n, counts[1] + min(n + 1, proposed)
-            accepted, judged = accepted + n, judged + min(n + 1, proposed)
+            counts[0], counts[1] = counts[0] + n, counts[1] + judged_now
+            accepted, judged = accepted + n, judged + judged_now
             p += n + 1
         out.append((accepted, judged))
     return out

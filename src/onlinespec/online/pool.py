@@ -95,8 +95,8 @@ class DraftPool:
         self._start_next()
 
     def _start_next(self) -> bool:
-        waiting = sorted((learner for learner in self.learners if learner.due), key=lambda learner: learner.due_since)
-        return any(learner.maybe_update() for learner in waiting[:1])
+        waiting = [learner for learner in self.learners if learner.due]
+        return bool(waiting) and min(waiting, key=lambda learner: learner.due_since).maybe_update()
 
     @property
     def learners(self) -> list[OnlineLearner]:

@@ -10,10 +10,10 @@ over the last 50 requests, as the paper reports it).
 Side-by-side comparison (``compare_every = N``): every N-th request is also served, in the same
 process and right before or after the online system (alternately), by the STARTING draft kept
 static and by the target alone, so the three are measured on the same requests under the same
-machine load. After the
-stream, once the learner has stopped, those probe requests are served again by the static draft
-and the target alone: the ratio of the two passes is the serving throughput kept while the
-learner runs in the background (issue 4's 85% must-show), with the work held fixed.
+machine load. After the stream, once the learner has stopped, those probe requests are served
+again by the static draft and the target alone: the ratio of the two passes is the serving
+throughput kept while the learner runs in the background (issue 4's 85% must-show), with the
+work held fixed.
 
 A request's row is written to the log only after its training record is in the durable buffer:
 a logged request is an acknowledged one, and a restart finds its record.
