@@ -51,7 +51,7 @@ def pools(tokenizer, split_name: str) -> dict:
     """Per domain, the split's queries whose prompt fits ``MAX_PROMPT_TOKENS`` (deterministic order)."""
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import split
-    from onlinespec.decoding.speculative import encode_prompt
+    from onlinespec.tokens import encode_prompt
 
     raw = stream_pools(DOMAIN_ORDER)
     fits = lambda q: len(encode_prompt(tokenizer, list(q.messages) if q.messages else q.prompt)) <= MAX_PROMPT_TOKENS  # noqa: E731

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.calibrate import forward_costs, padding_plan
+from onlinespec.decoding.calibrate import batch_sizes, measure_cost_curve
 from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
@@ -88,38 +88,35 @@ def load_decoder(
     dtype: str | torch.dtype = DEFAULT_DTYPE,
     calibrate: bool = True,
     adaptive_k: bool = True,
+    max_batch: int = 1,
 ) -> SpeculativeDecoder:
     """Load the target (a spec or an already loaded model) and a draft, and pair them.
 
-    ``calibrate`` times the target's forward per block width (about 3 s) and pads verification
-    blocks to the widths this machine runs fastest (:mod:`onlinespec.decoding.calibrate`);
-    ``adaptive_k`` then also sends, per round, only as many proposals as pay on that cost curve
+    ``calibrate`` times the target's forward per batch size (up to ``max_batch``), block width and
+    context length (a few seconds per batch size) and pads verification blocks to the widths this
+    machine runs fastest (:mod:`onlinespec.decoding.calibrate`); ``adaptive_k`` then also sends,
+    per step, only as many proposals as pay on that cost curve at the step's batch size
     (:mod:`onlinespec.decoding.adaptive`; needs ``calibrate``).
     """
     loaded = target if isinstance(target, LoadedModel) else load_model(target, dtype)
     choice = make_proposer(draft, loaded, dtype)
-    options = engine_options(loaded, k, pad=calibrate, adaptive=adaptive_k and calibrate) if choice.proposer is not None else {}
-    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, **options)
+    options = engine_options(loaded, k, pad=calibrate, adaptive=adaptive_k and calibrate, max_batch=max_batch) if choice.proposer is not None else {}
+    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, max_batch=max_batch, **options)
 
 
-def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False, kernels: bool = True) -> dict:
-    """``verify_padding`` and ``adaptive_k`` for :class:`SpeculativeDecoder`, from one measurement
-    of the target's forward cost per block width on this machine.
+def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False, kernels: bool = True,
+                   max_batch: int = 1) -> dict:
+    """``cost_curve``, ``pad`` and ``adaptive_k`` for :class:`SpeculativeDecoder`, from one
+    measurement of the target's forward cost per batch size, block width and context length.
 
     ``kernels``: first switch the target to the small-batch linear kernels if they measure faster
     (:mod:`onlinespec.decoding.kernels`). They are set on the model itself, so a target-alone
     decoder sharing it runs them too, and comparisons stay fair.
     """
     width = max(8, k + 4)
-    costs: list[float] = []
-    if kernels:  # its measurement of the kept kernels is the cost curve: no need to time again
-        kept, stock, fast = use_small_batch_kernels(target.model, max_width=width)
-        costs = fast if kept else stock
+    if kernels:
+        use_small_batch_kernels(target.model, max_width=width)
     if not (pad or adaptive):
-        return {}
-    costs = costs or forward_costs(target.model, max_width=width)
-    return {
-        "verify_padding": padding_plan(costs) if pad else None,
-        "adaptive_k": AdaptiveK(costs, padded=pad) if adaptive else None,
-    }
-
+        return {"pad": False}
+    curve = measure_cost_curve(target.model, max_width=k + 2, batches=batch_sizes(max_batch))
+    return {"cost_curve": curve, "pad": pad, "adaptive_k": AdaptiveK(curve, padded=pad) if adaptive else None}

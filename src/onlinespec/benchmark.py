@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.api import DraftChoice, engine_options, make_proposer
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, DraftChoice, engine_options, make_proposer
 from onlinespec.decoding import kernels
-from onlinespec.costmodel import estimate
+from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query
 from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation, SpeculativeDecoder
+from onlinespec.metrics import percentile
 from onlinespec.models import LoadedModel, load_model
 
 METHODS = ("target_alone", "speculative", "hf_assisted")
@@ -36,8 +37,8 @@ NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.15}
 @dataclass
 class BenchConfig:
     target: str = "default"
-    draft: str = "ngram"
-    k: int = 3
+    draft: str = DEFAULT_DRAFT
+    k: int = DEFAULT_K
     dtype: str = "float32"
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -46,7 +47,7 @@ class BenchConfig:
     seed: int = 0
     hf_assisted: bool = True
     pad_verify: bool = True  # pad verification blocks to the widths this CPU runs fastest
-    adaptive_k: bool = False  # per round, send only the proposals the cost model says pay
+    adaptive_k: bool = True  # per step, verify only the proposals the cost model says pay
     small_batch_kernels: bool = True  # W @ X^T for 2-16 rows if measured faster (target alone runs them too)
 
 
@@ -299,3 +300,156 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# Many requests at once
+# ------------------------------------------------------------------------------------------------
+
+
+def run_concurrency_bench(
+    queries: Sequence[Query],
+    config: BenchConfig,
+    levels: Sequence[int],
+    target: LoadedModel | None = None,
+    on_level: Callable[[int, str, dict], None] | None = None,
+) -> dict:
+    """Serve every query at each concurrency level (that many requests in flight; a new one
+    enters as soon as one finishes), with the target alone and with speculative decoding, both
+    batched by the same engine and scheduler. Greedy outputs are checked against the target
+    alone at concurrency 1; the extended cost model's predicted speedup is set beside the
+    measured one (:func:`predicted_speedup`)."""
+    if not queries or not levels or min(levels) < 1:
+        raise ValueError("need queries and concurrency levels >= 1")
+    target = target or load_model(config.target, config.dtype)
+    choice = make_proposer(config.draft, target, config.dtype)
+    options = engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k,
+                             kernels=config.small_batch_kernels, max_batch=max(levels))
+    decoders = {
+        "target_alone": SpeculativeDecoder(target.model, target.tokenizer, None, cost_curve=options.get("cost_curve"), pad=config.pad_verify),
+        "speculative": SpeculativeDecoder(target.model, target.tokenizer, choice.proposer, k=config.k, **options),
+    }
+    _warm_up(decoders, None, queries[0])
+    prompts = [list(q.messages) if q.messages else q.prompt for q in queries]
+    params = [_params(config, q, seed=config.seed + i) for i, q in enumerate(queries)]
+    reference: list[list[int]] | None = None
+    result: dict = {"n_prompts": len(queries), "config": asdict(config), "machine": machine_info(),
+                    "small_batch_kernels_on": kernels.enabled(target.model),
+                    "cost_curve_ms": {key: [1000 * s for s in v] for key, v in options["cost_curve"].to_dict().items()} if options.get("cost_curve") else None,
+                    "concurrency": {}}
+    for n, level in enumerate(levels):
+        figures = {}
+        order = ["target_alone", "speculative"][:: 1 if n % 2 == 0 else -1]  # alternate who runs first
+        for method in order:
+            steps: list = []
+            start = time.perf_counter()
+            outs = decoders[method].generate_many(prompts, params, max_batch=level, on_step=steps.append)
+            wall = time.perf_counter() - start
+            if reference is None and method == "target_alone":
+                reference = [o.token_ids for o in outs]
+            figures[method] = _level_figures(outs, steps, wall)
+            figures[method]["outputs"] = [o.token_ids for o in outs]
+            if on_level:
+                on_level(level, method, figures[method])
+        if reference is None:  # the speculative run went first at the first level
+            reference = figures["target_alone"]["outputs"]
+        for method in order:
+            outs = figures[method].pop("outputs")
+            if config.temperature == 0:
+                figures[method].update(_identity(target, [o for o in outs], reference, queries, decoders["target_alone"], config.dtype))
+        spec, alone = figures["speculative"], figures["target_alone"]
+        figures["speedup_vs_target"] = spec["tokens_per_s"] / alone["tokens_per_s"]
+        curve = options.get("cost_curve")
+        if curve is not None:
+            figures["predicted_speedup"] = predicted_speedup(curve, spec, alone, config.pad_verify)
+        result["concurrency"][str(level)] = figures
+    return result
+
+
+def _level_figures(outs: list[Generation], steps: list, wall: float) -> dict:
+    stats = [o.stats for o in outs]
+    tokens = sum(s.new_tokens for s in stats)
+    judged = sum(s.accepted + s.rejected for s in stats)
+    rounds = sum(s.rounds for s in stats)
+    verify = [s for s in steps if s.batch]
+    weight = sum(s.batch for s in verify) or 1
+    return {
+        "tokens_per_s": tokens / wall,
+        "requests_per_s": len(outs) / wall,
+        "seconds": wall,
+        "new_tokens": tokens,
+        "latency_p50_s": percentile([s.latency_seconds for s in stats], 50),
+        "latency_p99_s": percentile([s.latency_seconds for s in stats], 99),
+        "ttft_p50_s": percentile([s.ttft_seconds for s in stats], 50),
+        "ttft_p99_s": percentile([s.ttft_seconds for s in stats], 99),
+        "acceptance_rate": sum(s.accepted for s in stats) / judged if judged else 0.0,
+        "tau": tokens / rounds if rounds else 0.0,
+        "mean_k": sum(s.proposed for s in stats) / rounds if rounds else 0.0,
+        "step_acceptance": _step_acceptance(stats),
+        # the batched forwards, weighted by the requests in them: what the cost model is fed
+        "steps": len(steps),
+        "mean_batch": sum(s.batch * s.batch for s in verify) / weight,
+        "mean_width": sum(s.width * s.batch for s in verify) / weight,
+        "mean_context": sum(s.context * s.batch for s in verify) / weight,
+        "speculating_share": sum(s.batch for s in verify if s.width > 1) / weight,
+        "forward_seconds_per_step": sum(s.target_seconds for s in verify) / max(len(verify), 1),
+        "draft_seconds_per_step": sum(s.draft_seconds for s in verify) / max(len(verify), 1),
+        "prefill_share": sum(s.prefill_seconds for s in steps) / wall,
+    }
+
+
+def _identity(target: LoadedModel, outs: list[list[int]], reference: list[list[int]], queries, alone, dtype: str) -> dict:
+    identical = sum(a == b for a, b in zip(outs, reference))
+    gaps = [divergence_gap(target, alone.encode(list(q.messages) if q.messages else q.prompt), ref, out)
+            for out, ref, q in zip(outs, reference, queries) if out != ref]
+    return {"greedy_identical": identical, "divergences_max_logit_gap": max(gaps) if gaps else None,
+            "divergences_all_near_ties": all(g <= NEAR_TIE[dtype] for g in gaps)}
+
+
+def predicted_speedup(curve, spec: dict, alone: dict, pad: bool = True) -> float:
+    """The extended cost model's speedup at a run's measured batch size, context and proposal
+    length: tokens per step ``E(alpha, k)`` (the paper's i.i.d. formula, PAPER.md section 1) over
+    the measured cost of a forward of that batch and width (plus the draft's measured time per
+    step), against one token per step at the target-alone run's cost of width 1."""
+    e = _e_fractional(spec["acceptance_rate"], spec["mean_k"])
+    width = 1 + spec["mean_k"]
+    low = int(width)
+    cost_at = lambda w: curve.padded_cost(round(spec["mean_batch"]), w, int(spec["mean_context"])) if pad else curve.cost(round(spec["mean_batch"]), w, int(spec["mean_context"]))  # noqa: E731
+    spec_cost = cost_at(low) + (width - low) * (cost_at(low + 1) - cost_at(low)) if width > low else cost_at(low)
+    spec_cost += spec["draft_seconds_per_step"]
+    alone_cost = curve.cost(round(alone["mean_batch"]), 1, int(alone["mean_context"]))
+    return (e / spec_cost) / (1.0 / alone_cost)
+
+
+def _e_fractional(alpha: float, k: float) -> float:
+    """E(alpha, k) for a mean proposal length k: linear between the integer lengths around it."""
+    low = int(k)
+    lo, hi = expected_tokens_per_round(alpha, low), expected_tokens_per_round(alpha, low + 1)
+    return lo + (k - low) * (hi - lo)
+
+
+def plot_concurrency(summary: dict, path) -> None:
+    """Throughput and p50 latency against requests in flight, target alone vs speculative."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [int(n) for n in summary["concurrency"]]
+    figs = list(summary["concurrency"].values())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method, label in (("target_alone", "target alone"), ("speculative", "speculative")):
+        left.plot(levels, [f[method]["tokens_per_s"] for f in figs], marker="o", label=label)
+        right.plot(levels, [f[method]["latency_p50_s"] for f in figs], marker="o", label=label)
+    for n, f in zip(levels, figs):
+        left.annotate(f"{f['speedup_vs_target']:.2f}x", (n, f["speculative"]["tokens_per_s"]), textcoords="offset points", xytext=(4, 6))
+    left.set(xlabel="requests in flight", ylabel="output tokens / s", title="throughput", xscale="log", xticks=levels)
+    right.set(xlabel="requests in flight", ylabel="seconds", title="latency p50 per request", xscale="log", xticks=levels)
+    for ax in (left, right):
+        ax.set_xticklabels([str(n) for n in levels])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{summary['n_prompts']} prompts, {summary['config']['max_new_tokens']} new tokens, {summary['machine']['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -87,19 +87,37 @@ def bench(
     pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = True,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per round, verify only the proposals the cost model says pay")] = True,
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = True,
+    concurrency: Annotated[Optional[str], typer.Option(help="comma-separated levels, e.g. 1,2,4,8: serve the prompts with that many in flight (batched), target alone vs speculative; writes a PNG beside the JSON")] = None,
 ) -> None:
-    """Target alone vs our speculative decoding vs HF assisted generation, side by side."""
-    from onlinespec.benchmark import BenchConfig
+    """Target alone vs our speculative decoding vs HF assisted generation, side by side
+    (``--concurrency``: both batched, at each number of requests in flight)."""
+    from onlinespec.benchmark import BenchConfig, plot_concurrency
     from onlinespec.data import read_queries_jsonl
 
+    levels = _user_errors(lambda: _levels(concurrency)) if concurrency else None
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
     config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify, adaptive_k, kernels)
-    summary = _run_bench(queries, config)
+    summary = _run_concurrency_bench(queries, config, levels) if levels else _run_bench(queries, config)
     summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(summary, indent=2))
+    if levels:
+        print_concurrency(summary)
+        plot_concurrency(summary, json_out.with_suffix(".png"))
+        console.print(f"wrote {json_out} and {json_out.with_suffix('.png')}")
+        return
     print_bench(summary)
     console.print(f"wrote {json_out}")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency takes comma-separated whole numbers like 1,2,4,8, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
 
 
 @app.command()
@@ -496,6 +514,33 @@ def _run_bench(queries, config, target=None) -> dict:
             progress.update(task, advance=1, info=info)
 
         return _user_errors(lambda: run_bench(queries, config, on_prompt, target))
+
+
+def _run_concurrency_bench(queries, config, levels) -> dict:
+    from onlinespec.benchmark import run_concurrency_bench
+
+    with console.status("loading the target and measuring its cost curve") as status:
+        def on_level(level, method, fig):
+            console.print(f"concurrency {level} {method}: {fig['tokens_per_s']:.1f} tok/s, latency p50 {fig['latency_p50_s']:.2f} s, "
+                          f"alpha {fig['acceptance_rate']:.2f}, mean k {fig['mean_k']:.2f}")
+            status.update(f"concurrency {level}: {method} done")
+
+        return _user_errors(lambda: run_concurrency_bench(queries, config, levels, on_level=on_level))
+
+
+def print_concurrency(summary: dict) -> None:
+    table = Table(title=f"{summary['n_prompts']} prompts, draft {summary['config']['draft']}, k <= {summary['config']['k']}, both batched")
+    for col in ("in flight", "target alone tok/s", "ours tok/s", "ours/target", "predicted", "latency p50 / p99 (s)",
+                "TTFT p50 / p99 (s)", "alpha", "tau", "mean k", "identical"):
+        table.add_column(col, justify="right")
+    for level, fig in summary["concurrency"].items():
+        spec, alone = fig["speculative"], fig["target_alone"]
+        table.add_row(level, f"{alone['tokens_per_s']:.1f}", f"{spec['tokens_per_s']:.1f}", f"{fig['speedup_vs_target']:.2f}x",
+                      f"{fig['predicted_speedup']:.2f}x" if "predicted_speedup" in fig else "-",
+                      f"{spec['latency_p50_s']:.2f} / {spec['latency_p99_s']:.2f}", f"{spec['ttft_p50_s']:.2f} / {spec['ttft_p99_s']:.2f}",
+                      f"{spec['acceptance_rate']:.3f}", f"{spec['tau']:.2f}", f"{spec['mean_k']:.2f}",
+                      f"{spec.get('greedy_identical', '-')}/{summary['n_prompts']}")
+    out.print(table)
 
 
 def print_bench(summary: dict) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from onlinespec.decoding.autoregressive import autoregressive_decoder
-from onlinespec.decoding.proposers.base import Proposal
+from onlinespec.decoding.proposers.base import PerRequestProposer, Proposal
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
 from onlinespec.decoding.speculative import RoundTrace, SpeculativeDecoder
@@ -16,7 +16,7 @@ from onlinespec.decoding.speculative import RoundTrace, SpeculativeDecoder
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class ScriptedProposer:
+class ScriptedProposer(PerRequestProposer):
     """Proposes ``script[len(ids) : len(ids) + k]`` (point masses); records every call.
 
     ``wrong``: absolute positions where it proposes a wrong token instead (to force rejections).
@@ -30,10 +30,11 @@ class ScriptedProposer:
         self.calls: list[tuple[int, int]] = []  # (len(ids), k) per propose call
         self.begun = 0
 
-    def begin(self, prompt_ids):
+    def start(self, prompt_ids):
         self.begun += 1
 
-    def propose(self, ids, k, params, generator, with_probs=False):
+    def propose_one(self, d):
+        ids, k = d.ids, d.k
         self.calls.append((len(ids), k))
         start = len(ids)
         tokens = []
@@ -391,8 +392,9 @@ def test_chat_prompt_uses_the_chat_template(tiny_wide, default_tokenizer):
 class ForcedTarget(torch.nn.Module):
     """A real tiny Llama (real KV cache) whose logits are overridden to continue ``script``.
 
-    Row j of a forward pass sits at absolute position ``a`` (cache length before the call + offset)
-    and predicts ``script[a + 1]`` with certainty; past the script the model's own logits remain.
+    Row j of a forward pass sits at absolute position ``a`` (its position id, or the cache length
+    before the call + offset) and predicts ``script[a + 1]`` with certainty; past the script the
+    model's own logits remain.
     Lets a test make the target "say" any text, e.g. an emoji that takes three byte tokens.
     """
 
@@ -401,17 +403,19 @@ class ForcedTarget(torch.nn.Module):
         self.model, self.script = model, script
         self.config, self.generation_config = model.config, model.generation_config
 
-    def forward(self, input_ids, cache=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids, cache=None, logits_to_keep=0, position_ids=None, **kwargs):
         start = cache.get_seq_length() if cache is not None else 0
-        out = self.model(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
+        out = self.model(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep, position_ids=position_ids, **kwargs)
         logits = out.logits.clone()
         rows = logits.shape[1]
-        first = start + input_ids.shape[1] - rows  # absolute position of row 0
-        for j in range(rows):
-            nxt = first + j + 1
-            if nxt < len(self.script):
-                logits[0, j] = -1e4
-                logits[0, j, self.script[nxt]] = 1e4
+        for b in range(logits.shape[0]):
+            # absolute position of row 0
+            first = int(position_ids[b, -rows]) if position_ids is not None else start + input_ids.shape[1] - rows
+            for j in range(rows):
+                nxt = first + j + 1
+                if nxt < len(self.script):
+                    logits[b, j] = -1e4
+                    logits[b, j, self.script[nxt]] = 1e4
         out.logits = logits
         return out
 

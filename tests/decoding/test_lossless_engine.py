@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import onlinespec.decoding.speculative as speculative_module
+import onlinespec.decoding.engine as engine_module
 from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
@@ -112,7 +112,7 @@ def test_the_end_to_end_check_catches_a_wrong_residual(tiny_target, tiny_draft, 
         # redraw the correction from p itself (a classic bug)
         return Verdict(verdict.n_accepted, int(torch.multinomial(target_probs[verdict.n_accepted], 1, generator=generator)))
 
-    monkeypatch.setattr(speculative_module, "verify_sampling", wrong_residual)
+    monkeypatch.setattr(engine_module, "verify_sampling", wrong_residual)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, **PLAIN)
     exact = exact_distribution(tiny_target, PROMPT, params)
     decoder = SpeculativeDecoder(tiny_target, None, DraftModelProposer(tiny_draft), k=K)

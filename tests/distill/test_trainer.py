@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from onlinespec.distill.trainer import TrainConfig, Trainer
-from onlinespec.online.recorder import DistillRecord
+from onlinespec.distill.records import DistillRecord
 
 
 def records(n=12, vocab=32):

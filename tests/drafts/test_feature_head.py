@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.proposers.base import Proposal
+from onlinespec.decoding.proposers.base import DraftInput, Proposal
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.sampling import SamplingParams
@@ -79,11 +79,13 @@ def test_sampled_output_follows_the_targets_distribution(tiny_target, sampling, 
 def test_hybrid_prefers_a_copy_and_falls_back_to_the_head(tiny_target):
     proposer = HybridProposer(FeatureHeadProposer(random_head(tiny_target)), min_ngram=2)
     params = SamplingParams()
-    proposer.begin([1, 2, 3])
-    proposer.observe(torch.randn(tiny_target.config.hidden_size))
-    copied = proposer.propose([1, 2, 3, 1, 2], 2, params, None)
+    states = [proposer.start([1, 2, 3]), proposer.start([5, 4, 3])]
+    for state in states:
+        proposer.observe(state, torch.randn(tiny_target.config.hidden_size))
+    # one batch: the first request has a copy to make, the second goes to the head
+    copied, drafted = proposer.propose([DraftInput([1, 2, 3, 1, 2], 2, params, None, states[0]),
+                                        DraftInput([5, 4, 3], 2, params, None, states[1])])
     assert copied.source == "ngram" and copied.tokens == [3, 1]
-    drafted = proposer.propose([5, 4, 3], 2, params, None)
     assert drafted.source == "head" and len(drafted) == 2 and set(drafted.tokens) <= set(VOCAB.tolist())
 
 

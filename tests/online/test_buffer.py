@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.recorder import DistillRecord
+from onlinespec.distill.records import DistillRecord
 
 
 def record(i: int, n_positions: int = 2, k: int = 4) -> DistillRecord:

@@ -1,16 +1,18 @@
 """The recorder's alignment: records name the position of the target's correction, and the
 teacher row stored there is the target's distribution that produced that correction."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from onlinespec.decoding.proposers.base import Proposal
+from onlinespec.decoding.proposers.base import PerRequestProposer, Proposal
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.online.recorder import record_from_generation
 
 
-class WrongAtThirdProposer:
+class WrongAtThirdProposer(PerRequestProposer):
     """Proposes the target's own greedy tokens, except that the third proposal of every round is
     wrong: each round accepts 2 and the target corrects the third."""
 
@@ -19,10 +21,8 @@ class WrongAtThirdProposer:
     def __init__(self, target):
         self.target = target
 
-    def begin(self, prompt_ids):
-        pass
-
-    def propose(self, ids, k, params, generator, with_probs=False):
+    def propose_one(self, d):
+        ids, k = d.ids, d.k
         tokens = []
         with torch.inference_mode():
             for i in range(k):
@@ -55,8 +55,8 @@ def test_rejected_positions_are_the_corrections(tiny_target, traced):
 
 def test_bonus_rows_are_not_errors(tiny_target):
     class Perfect(WrongAtThirdProposer):
-        def propose(self, ids, k, params, generator, with_probs=False):
-            return super().propose(ids, min(k, 2), params, generator)  # never reaches the wrong 3rd
+        def propose_one(self, d):
+            return super().propose_one(dataclasses.replace(d, k=min(d.k, 2)))  # never reaches the wrong 3rd
 
     decoder = SpeculativeDecoder(tiny_target, None, Perfect(tiny_target), k=2, trace_top_k=3)
     out = decoder.generate([4, 5], SamplingParams(max_new_tokens=9, ignore_eos=True), trace=True)

@@ -56,6 +56,7 @@ __all__ = [
     "load_gsm_symbolic",
     "load_humaneval",
     "load_sharegpt",
+    "long_prompts",
     "looks_like_code",
     "packaged_prompts",
     "read_queries_jsonl",
@@ -611,3 +612,40 @@ def write_queries_jsonl(path: str | os.PathLike[str], queries: Iterable[Query]) 
     with path.open("w", encoding="utf-8") as f:
         for query in queries:
             f.write(json.dumps(query.to_json(), ensure_ascii=False) + "\n")
+
+
+# Long prompts from the Python standard library on this machine: real text nobody here wrote,
+# several hundred tokens each (the regime where attention, not the weights, grows the cost).
+LONG_PROMPT_MODULES = (
+    "argparse", "textwrap", "shutil", "json.decoder", "csv", "fractions", "heapq", "calendar", "difflib",
+    "configparser", "logging", "pathlib", "subprocess", "tarfile", "zipfile", "email.message", "string", "pickle",
+)
+
+
+def long_prompts(n: int, min_chars: int = 1200, max_chars: int = 2400) -> list[Query]:
+    """Half code to complete (the opening of a standard-library function, raw text), half
+    documentation to summarise (a module or class docstring, chat), in a fixed order."""
+    import ast
+    import importlib
+    import inspect
+
+    code: list[Query] = []
+    docs: list[Query] = []
+    for name in LONG_PROMPT_MODULES:
+        module = importlib.import_module(name)
+        source = inspect.getsource(module)
+        doc = inspect.getdoc(module) or ""
+        candidates = [doc] + [inspect.getdoc(getattr(module, c)) or "" for c in sorted(dir(module)) if inspect.isclass(getattr(module, c, None))]
+        text = next((d for d in candidates if len(d) >= min_chars), None)
+        if text:
+            docs.append(Query(f"stdlib-doc/{name}", "docs", "stdlib", messages=(
+                {"role": "user", "content": "Summarise this documentation in a few sentences:\n\n" + text[:max_chars]},)))
+        functions = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)]
+        long_enough = [f for f in functions if len(ast.get_source_segment(source, f) or "") >= min_chars]
+        if long_enough:
+            body = ast.get_source_segment(source, long_enough[0])
+            code.append(Query(f"stdlib-code/{name}.{long_enough[0].name}", "code", "stdlib", prompt=body[: min(max_chars, len(body) * 2 // 3)]))
+    mixed = [q for pair in itertools.zip_longest(code, docs) for q in pair if q is not None]
+    if len(mixed) < n:
+        raise MissingDataError(f"only {len(mixed)} long prompts found in the standard library, {n} asked")
+    return mixed[:n]

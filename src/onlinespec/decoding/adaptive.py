@@ -1,25 +1,36 @@
-"""Adaptive k: per round, send the number of proposals that maximises expected tokens per second.
+"""Adaptive k: per step, the proposal lengths that maximise the whole batch's expected tokens per second.
 
-For a block of ``j`` proposals the expected number of tokens a round emits is
-``1 + a_1 + a_1 a_2 + ... + a_1...a_j`` (``a_i``: the chance that proposal ``i`` is accepted once
-the ones before it were), and the round costs one target forward over ``u + j`` tokens (``u``:
-tokens the target cache has not seen, usually 1). The cost comes from the measured verify-cost
-curve (:func:`onlinespec.decoding.calibrate.forward_costs`, after padding); ``a_i`` from measured
-acceptance: per drafter and per confidence bin (or per step, for drafters with no confidence),
+For a block of ``j`` proposals a request's round emits ``1 + a_1 + a_1 a_2 + ... + a_1...a_j``
+tokens in expectation (``a_i``: the chance that proposal ``i`` is accepted once the ones before it
+were). A step verifies every running request in ONE target forward over ``B`` rows of ``W``
+tokens (narrower blocks are padded), whose cost comes from the measured curve
+(:class:`onlinespec.decoding.calibrate.CostCurve`, over batch size, width and context). So a step
+picks ``W`` to maximise ``sum_r E_r(W - 1) / cost(B, W)``: at batch 1 that is the paper's best-k
+rule with a measured verify cost; at a batch large enough that a wider forward costs more than
+the tokens it adds, ``W = 1`` wins and the step is plain decoding, by itself, from the curve (no
+fixed batch-size threshold). Before drafting, :func:`proposal_budget` asks whether speculating
+pays at all at this batch size, from past statistics alone, so a step that will not speculate
+does not draft either.
+
+``a_i`` comes from measured acceptance, per draft (:class:`AdaptiveK` holds one draft's
+statistics): per drafter and per confidence bin (or per step, for drafters with no confidence),
 with exponentially decaying counts so the estimate follows a draft that is learning online.
 
 Lossless: in greedy mode the engine emits the target's argmax whatever it verifies. When sampling,
-choosing ``j`` from the drafts' own sampled confidences would bias which tokens get verified, so
-there the choice uses only the past statistics (never the current draws).
+choosing ``j`` from a request's own sampled confidences would bias which tokens get verified, so a
+sampled request's estimates use only past statistics (never its current draws); other requests'
+draws are independent of its own, so a width they pull up or down keeps its output exact.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onlinespec.decoding.calibrate import CONTEXTS, CostCurve
 from onlinespec.decoding.proposers.base import Proposal
 
 BINS = 10
+ANY = "*"  # statistics of a draft's proposals whatever drafter made them (planning before drafting)
 
 
 @dataclass
@@ -30,50 +41,51 @@ class _Rate:
 
 @dataclass
 class AdaptiveK:
-    verify_costs: list[float]  # seconds of a target forward over 1, 2, ... tokens (padded)
+    """One draft's measured acceptance, and the verify-cost curve of the target it drafts for."""
+
+    verify_costs: CostCurve | list[float]  # a measured curve, or seconds over 1, 2, ... tokens (one request)
     prior_weight: float = 8.0  # pseudo-counts behind each prior
     decay: float = 0.998  # per judged proposal: the estimate follows about the last 500
-    padded: bool = True  # blocks are padded to the cheapest wider width (calibrate.padding_plan)
+    padded: bool = True  # blocks are padded to the cheapest wider width (CostCurve.padded)
     rates: dict[tuple[str, int], _Rate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.verify_costs:
-            raise ValueError("adaptive k needs the measured verify-cost curve (one cost per block width)")
-        # After padding a block never costs more than any wider one.
-        costs = list(self.verify_costs)
-        for width in range(len(costs) - 2, -1, -1) if self.padded else ():
-            costs[width] = min(costs[width], costs[width + 1])
-        self._costs = costs
+        if not isinstance(self.verify_costs, CostCurve):
+            if not self.verify_costs:
+                raise ValueError("adaptive k needs the measured verify-cost curve (one cost per block width)")
+            self.verify_costs = CostCurve.from_widths(list(self.verify_costs))
 
-    def cost(self, width: int) -> float:
-        return self._costs[min(width, len(self._costs)) - 1]
+    @property
+    def curve(self) -> CostCurve:
+        return self.verify_costs
+
+    def cost(self, width: int, batch: int = 1, context: int = CONTEXTS[0]) -> float:
+        curve = self.curve
+        return curve.padded_cost(batch, width, context) if self.padded else curve.cost(batch, width, context)
 
     def estimates(self, proposal: Proposal, use_confidence: bool) -> list[float]:
-        out = []
-        for i in range(len(proposal)):
-            key, prior = self._key(proposal, i, use_confidence)
-            rate = self.rates.get(key, _Rate())
-            out.append((rate.accepted + self.prior_weight * prior) / (rate.judged + self.prior_weight))
-        return out
+        return [self._estimate(*self._key(proposal, i, use_confidence)) for i in range(len(proposal))]
+
+    def step_estimates(self, n: int) -> list[float]:
+        """Acceptance of steps 1..n of a proposal not drafted yet (any drafter, no confidence)."""
+        return [self._estimate((f"{ANY}@step", i), 0.5) for i in range(n)]
 
     def choose(self, proposal: Proposal, uncached: int, use_confidence: bool) -> int:
-        """How many of ``proposal``'s tokens to verify (0 .. len)."""
-        best, best_rate, expected, chain = 0, 1.0 / self.cost(uncached), 1.0, 1.0
-        for j, a in enumerate(self.estimates(proposal, use_confidence), start=1):
-            chain *= a
-            expected += chain
-            rate = expected / self.cost(uncached + j)
-            if rate > best_rate:
-                best, best_rate = j, rate
-        return best
+        """How many of ``proposal``'s tokens to verify (0 .. len), for one request alone."""
+        row = PlanRow(proposal, self, use_confidence, uncached=uncached)
+        return plan_step([row])[1][0]
 
     def update(self, proposal: Proposal, n_accepted: int, use_confidence: bool) -> None:
         """Record what verification judged: proposals up to and including the first rejection."""
         for i in range(min(len(proposal), n_accepted + 1)):
-            key, _ = self._key(proposal, i, use_confidence)
-            rate = self.rates.setdefault(key, _Rate())
-            rate.accepted = rate.accepted * self.decay + (i < n_accepted)
-            rate.judged = rate.judged * self.decay + 1
+            for key in {self._key(proposal, i, use_confidence)[0], (f"{ANY}@step", i)}:
+                rate = self.rates.setdefault(key, _Rate())
+                rate.accepted = rate.accepted * self.decay + (i < n_accepted)
+                rate.judged = rate.judged * self.decay + 1
+
+    def _estimate(self, key: tuple[str, int], prior: float) -> float:
+        rate = self.rates.get(key, _Rate())
+        return (rate.accepted + self.prior_weight * prior) / (rate.judged + self.prior_weight)
 
     @staticmethod
     def _key(proposal: Proposal, i: int, use_confidence: bool) -> tuple[tuple[str, int], float]:
@@ -81,6 +93,76 @@ class AdaptiveK:
             c = proposal.confidences[i]
             return (proposal.source, min(int(c * BINS), BINS - 1)), c
         return (f"{proposal.source}@step", i), 0.5
+
+
+@dataclass
+class PlanRow:
+    """One request of a step, as the planner sees it."""
+
+    proposal: Proposal
+    adaptive: AdaptiveK | None  # its draft's statistics; None: verify every proposal
+    use_confidence: bool = False  # greedy: its draft's own confidences may inform the choice
+    fixed: bool = False  # verify the whole proposal whatever it costs (a seeded sampled request)
+    uncached: int = 1  # tokens of the request the target cache has not seen yet
+
+    @property
+    def flexible(self) -> bool:
+        return self.adaptive is not None and not self.fixed
+
+
+def expected_tokens(estimates: list[float], n: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... + a_1...a_n: tokens a round with ``n`` proposals emits in expectation."""
+    expected, chain = 1.0, 1.0
+    for a in estimates[:n]:
+        chain *= a
+        expected += chain
+    return expected
+
+
+def plan_step(rows: list[PlanRow], context: int = CONTEXTS[0]) -> tuple[int, list[int]]:
+    """The block width ``W`` of one forward over ``rows``, and how many proposals each verifies.
+
+    Flexible rows verify ``min(len, W - uncached)`` (padding is free once the forward is that
+    wide); the others verify all their proposals, so ``W`` is at least their width.
+    """
+    if not rows:
+        return 0, []
+    floor = max(r.uncached + (0 if r.flexible else len(r.proposal)) for r in rows)
+    top = max(r.uncached + len(r.proposal) for r in rows)
+    planner = next((r.adaptive for r in rows if r.adaptive is not None), None)
+    width = top
+    if planner is not None and top > floor:
+        estimates = [r.adaptive.estimates(r.proposal, r.use_confidence) if r.flexible else [] for r in rows]
+        best_rate = -1.0
+        for w in range(floor, top + 1):
+            expected = sum(
+                expected_tokens(e, min(len(r.proposal), w - r.uncached)) if r.flexible else 1.0 for r, e in zip(rows, estimates)
+            )
+            rate = expected / planner.cost(w, len(rows), context)
+            if rate > best_rate + 1e-12:
+                width, best_rate = w, rate
+    return width, [len(r.proposal) if not r.flexible else max(0, min(len(r.proposal), width - r.uncached)) for r in rows]
+
+
+def proposal_budget(
+    adaptives: list[AdaptiveK | None], k: int, context: int = CONTEXTS[0], draft_step_seconds: float = 0.0
+) -> int:
+    """Before drafting: ``k`` if speculating pays at all for a batch of ``len(adaptives)`` rows,
+    else 0 (a plain decoding step, nothing drafted).
+
+    Judged from past statistics alone: one proposal per request, at its measured step-1
+    acceptance, against the cost of the wider forward and of one draft step. Deeper steps are
+    left to :func:`plan_step`, which sees the drafts' confidences (and whose choices are what
+    teaches the later steps' statistics: asking for fewer here would never measure them).
+    """
+    planner = next((a for a in adaptives if a is not None), None)
+    if planner is None or k <= 0:
+        return k
+    batch = len(adaptives)
+    gain = sum(expected_tokens(a.step_estimates(1) if a is not None else [1.0], 1) for a in adaptives)
+    plain = batch / planner.cost(1, batch, context)
+    speculative = gain / (planner.cost(2, batch, context) + draft_step_seconds)
+    return k if speculative > plain else 0
 
 
 def trim(proposal: Proposal, n: int) -> Proposal:

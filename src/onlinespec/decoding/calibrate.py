@@ -1,38 +1,47 @@
-"""Measure what a target forward costs per block width, and pad verification blocks accordingly.
+"""Measure what a target forward costs per batch size, block width and context length.
 
 On CPUs the BLAS library picks its kernel by the number of rows: on the machines this project
 runs on (MKL, AVX-512) a forward over 2 or 3 tokens runs as 2 or 3 matrix-vector products and
-costs more than a forward over 4 tokens, which runs as one matrix-matrix product (for the default
-target, fp32: 1 token 39 ms, 3 tokens 85 ms, 4 tokens 66 ms). Appending throw-away tokens to a
-verification block changes nothing the verification reads (attention is causal; their cache
-entries are cut off with the rejected ones) but lets the block run on the faster kernel.
+can cost more than a forward over 4 tokens, which runs as one matrix-matrix product. Appending
+throw-away tokens to a verification block changes nothing the verification reads (attention is
+causal; their cache columns become holes with the rejected ones) but lets the block run on the
+faster kernel: :meth:`CostCurve.padded` picks that width.
 
-The measured curve is also the verify-cost curve the cost model takes.
+The measured curve is the verify cost the cost model and adaptive k take
+(:mod:`onlinespec.costmodel`, :mod:`onlinespec.decoding.adaptive`). It is measured over the batch
+sizes the engine will run (a step verifies every running request in one forward) and at two
+context lengths: attention grows with the context, so a curve measured at 64 tokens under-prices
+verification on prompts of several hundred (costs in between are interpolated linearly, beyond
+extrapolated from the two).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.decoding.kvcache import truncate_cache
 
+CONTEXTS = (64, 512)
+
 
 @torch.inference_mode()
-def forward_costs(model: PreTrainedModel, max_width: int = 8, context: int = 64, reps: int = 5) -> list[float]:
-    """Median seconds of one cached forward over 1..max_width new tokens (logits for all of them)."""
+def forward_costs(model: PreTrainedModel, max_width: int = 8, context: int = 64, reps: int = 5, batch: int = 1) -> list[float]:
+    """Median seconds of one cached forward over 1..max_width new tokens per row (logits for all)."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (1, context), generator=generator), cache=cache, logits_to_keep=1)
+    model(input_ids=torch.randint(0, vocab, (batch, context), generator=generator), cache=cache, logits_to_keep=1)
     costs = []
     for width in range(1, max_width + 1):
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
-            block = torch.randint(0, vocab, (1, width), generator=generator)
+            block = torch.randint(0, vocab, (batch, width), generator=generator)
             start = time.perf_counter()
             model(input_ids=block, cache=cache, logits_to_keep=width)
             times.append(time.perf_counter() - start)
@@ -41,12 +50,89 @@ def forward_costs(model: PreTrainedModel, max_width: int = 8, context: int = 64,
     return costs
 
 
-def padding_plan(costs: list[float], min_gain: float = 0.05) -> dict[int, int]:
-    """For each block width, the width to pad it to: the cheapest width at least as large, if it
-    saves at least ``min_gain`` of the time. Widths absent from the plan run as they are."""
-    plan = {}
-    for width in range(1, len(costs) + 1):
-        best = min(range(width, len(costs) + 1), key=lambda w: costs[w - 1])
-        if costs[best - 1] < (1 - min_gain) * costs[width - 1]:
-            plan[width] = best
-    return plan
+@dataclass
+class CostCurve:
+    """Seconds of one target forward: ``seconds[(batch, context)][width - 1]``, measured."""
+
+    seconds: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_widths(cls, costs: list[float], context: int = CONTEXTS[0]) -> "CostCurve":
+        """A curve measured for one request at one context length (larger batches: no batching gain assumed)."""
+        if not costs:
+            raise ValueError("the cost curve needs one cost per block width")
+        return cls({(1, context): list(costs)})
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({b for b, _ in self.seconds})
+
+    @property
+    def max_width(self) -> int:
+        return min(len(v) for v in self.seconds.values())
+
+    def cost(self, batch: int, width: int, context: int = CONTEXTS[0]) -> float:
+        """Seconds of a forward over ``batch`` rows of ``width`` tokens with ``context`` cached columns."""
+        width = max(1, min(width, self.max_width))
+        batches = self.batches
+        if batch in batches:
+            return self._at_batch(batch, width, context)
+        if len(batches) == 1 or batch < batches[0]:  # scale from the nearest measured batch
+            b = batches[0] if batch < batches[0] else batches[-1]
+            return self._at_batch(b, width, context) * batch / b
+        i = min(max(bisect_left(batches, batch), 1), len(batches) - 1)
+        lo, hi = batches[i - 1], batches[i]
+        return _line(batch, lo, self._at_batch(lo, width, context), hi, self._at_batch(hi, width, context))
+
+    def padded(self, batch: int, width: int, context: int = CONTEXTS[0], min_gain: float = 0.05) -> int:
+        """The width to run a block of ``width`` at: the cheapest at least as wide, if it saves
+        at least ``min_gain`` of the time."""
+        if width >= self.max_width:
+            return width
+        own = self.cost(batch, width, context)
+        best = min(range(width, self.max_width + 1), key=lambda w: self.cost(batch, w, context))
+        return best if self.cost(batch, best, context) < (1 - min_gain) * own else width
+
+    def padded_cost(self, batch: int, width: int, context: int = CONTEXTS[0]) -> float:
+        return self.cost(batch, self.padded(batch, width, context), context)
+
+    def _at_batch(self, batch: int, width: int, context: int) -> float:
+        contexts = sorted(c for b, c in self.seconds if b == batch)
+        if len(contexts) == 1:
+            return self.seconds[(batch, contexts[0])][width - 1]
+        i = min(max(bisect_left(contexts, context), 1), len(contexts) - 1)
+        lo, hi = contexts[i - 1], contexts[i]
+        value = _line(context, lo, self.seconds[(batch, lo)][width - 1], hi, self.seconds[(batch, hi)][width - 1])
+        return max(value, 0.5 * self.seconds[(batch, lo)][width - 1])
+
+    def to_dict(self) -> dict:
+        return {f"{b}x{c}": v for (b, c), v in sorted(self.seconds.items())}
+
+
+def measure_cost_curve(
+    model: PreTrainedModel,
+    max_width: int = 8,
+    batches: tuple[int, ...] = (1,),
+    contexts: tuple[int, ...] = CONTEXTS,
+    reps: int = 3,
+) -> CostCurve:
+    """Time the target's forward over every (batch, context) pair and block widths 1..max_width."""
+    seconds = {}
+    for batch in sorted(set(batches)):
+        for context in contexts:
+            seconds[(batch, context)] = forward_costs(model, max_width, context, reps, batch)
+    return CostCurve(seconds)
+
+
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes to measure for an engine that runs up to ``max_batch`` requests: powers of two and the maximum."""
+    sizes = {1, max_batch}
+    size = 2
+    while size < max_batch:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+def _line(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

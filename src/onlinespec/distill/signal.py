@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.data.sources import Query
-from onlinespec.decoding.speculative import encode_prompt
+from onlinespec.tokens import encode_prompt, eos_token_ids
 from onlinespec.models import cache_dir
 
 SOURCES = ("teacher", "student", "mixed", "fixed")
@@ -210,7 +210,7 @@ def _generate_batch(target, tokenizer, queries: list[Query], config: SignalConfi
         input_ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
     decoder, head = target.get_decoder(), target.get_output_embeddings()
-    eos = set(_eos_ids(target, tokenizer))
+    eos = set(eos_token_ids(target, tokenizer))
     cache = DynamicCache(config=target.config)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
@@ -262,9 +262,3 @@ def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
         return logits.argmax(-1)
     return torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)[:, 0]
 
-
-def _eos_ids(target, tokenizer) -> list[int]:
-    eos = target.generation_config.eos_token_id if target.generation_config else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])

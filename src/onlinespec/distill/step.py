@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from onlinespec.distill.losses import SparseTeacher, bucket_log_probs, distill_loss
-from onlinespec.online.recorder import DistillRecord
+from onlinespec.distill.records import DistillRecord
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from onlinespec.distill.step import DistillConfig, distill_step
-from onlinespec.online.recorder import DistillRecord
+from onlinespec.distill.records import DistillRecord
 from onlinespec.weights import unique_tensors
 
 

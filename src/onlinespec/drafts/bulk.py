@@ -68,8 +68,7 @@ def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens:
     """Write the bundle ``run`` reads (see the module docstring); returns a summary of its jobs."""
     from onlinespec.data.sources import available_gsm_languages, english_pools, load_gsm_symbolic, packaged_prompts
     from onlinespec.data.streams import split, split_of
-    from onlinespec.decoding.speculative import encode_prompt
-    from onlinespec.distill.signal import _eos_ids
+    from onlinespec.tokens import encode_prompt, eos_token_ids
     from onlinespec.models import default_target_dir, load_model, tokenizer_fingerprint
 
     target = load_model("default")
@@ -108,7 +107,7 @@ def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens:
         "target": target.name,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "config": json.loads((default_target_dir() / "config.json").read_text()),
-        "eos_ids": sorted(set(_eos_ids(target.model, tokenizer))),
+        "eos_ids": sorted(eos_token_ids(target.model, tokenizer)),
         "pad_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
         "jobs": jobs,
         "heldout": {

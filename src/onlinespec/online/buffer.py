@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from onlinespec.online.recorder import DistillRecord
+from onlinespec.distill.records import DistillRecord
 
 POLICIES = ("clear", "window", "reservoir", "priority")
 

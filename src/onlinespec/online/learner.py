@@ -119,8 +119,7 @@ class OnlineLearner:
             proposer.version = registry.current()
         else:  # a restart (or a rollback): serve the registry's current version, not the starting draft
             proposer.swap_model(self._load_version(current), current)
-            proposer.begin([])  # take it now: nothing is being served yet
-            proposer.version = current
+            proposer.take_swap()  # take it now: nothing is being served yet
         # the newest published draft: the next update starts from it even if the proposer has not
         # taken it yet (it swaps between rounds), so no update's work is ever dropped
         self._latest = (proposer.model, proposer.version)

@@ -34,33 +34,13 @@ Sampling source (PAPER.md section 2, honoured online, unlike the prototype):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from onlinespec.decoding.speculative import Generation
+from onlinespec.distill.records import DistillRecord
 
 POSITION_POLICIES = ("rejected", "verified")
 SOURCES = ("teacher", "student", "mixed")
-
-
-@dataclass
-class DistillRecord:
-    """One request's training signal: its tokens and the target's top-K at chosen positions."""
-
-    token_ids: list[int]  # prompt + generated output
-    positions: list[int]  # t: learn p(token_ids[t] | token_ids[:t]) from the draft's logits at t - 1
-    top_ids: torch.Tensor  # [len(positions), K] int64: the target's top-K token ids at t
-    top_logprobs: torch.Tensor  # [len(positions), K] float32: their log-probabilities (temperature 1)
-    prompt_len: int
-    domain: str = "default"
-    request_id: str = ""
-    # feature heads only: [len(positions), H] float16, the target's post-norm state at t - 1
-    features: torch.Tensor | None = None
-    rejected: list[bool] | None = None  # per position: the row of a round's first rejection
-
-    def __len__(self) -> int:
-        return len(self.positions)
 
 
 def record_from_generation(

@@ -1,14 +1,21 @@
-"""One interface for every way of drafting (small LM, n-gram lookup, ...).
+"""One interface for every way of drafting (small LM, n-gram lookup, feature head, hybrid).
 
-A proposer sees the request's token ids so far and proposes up to ``k`` continuations. It may
-keep state across rounds of one request (a KV cache); it must notice by itself when the engine
-discarded some of its proposals, by comparing the ids it is given with what it has seen.
+A proposer drafts for a batch of requests at once (:meth:`Proposer.propose`); what it keeps
+about one request between rounds (a draft KV cache, the target feature it chains from) lives in
+that request's *draft state*, made by :meth:`Proposer.start`, never in the proposer: one proposer
+serves every request that uses its draft. A state must notice by itself when the engine discarded
+some proposals, by comparing the ids it is given with what it has seen.
+
+A learned proposer's model sits in a :class:`ModelSlot`: the online learner hands a new one over
+from its own thread, and the engine takes it between steps, so a step sees one draft throughout.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,25 +38,92 @@ class Proposal:
         return len(self.tokens)
 
 
+@dataclass
+class DraftInput:
+    """One request's part of a batched :meth:`Proposer.propose` call."""
+
+    ids: list[int]  # the request's tokens so far (prompt + generated)
+    k: int  # propose at most this many
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own: draws never depend on the batch
+    state: Any = None  # what :meth:`Proposer.start` returned for this request
+    with_probs: bool = False  # return full rows in ``Proposal.probs`` even when greedy
+
+
 class Proposer(Protocol):
-    """Optionally, ``uses_features = True`` plus ``observe(feature)``: the engine then hands the
-    proposer the target's post-norm hidden state at the last verified position after each round."""
+    """Optionally, ``uses_features = True`` plus ``observe(state, feature)``: the engine then hands
+    the proposer the target's post-norm hidden state at each request's last verified position."""
 
     name: str
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """A new request starts: drop all state of the previous one."""
+    def start(self, prompt_ids: list[int]) -> Any:
+        """A new request starts: its draft state (``None`` when the proposer needs none)."""
 
-    def propose(
-        self,
-        ids: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        with_probs: bool = False,
-    ) -> Proposal:
-        """Propose at most ``k`` tokens that follow ``ids``.
+    def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        """Propose at most ``k`` tokens that follow ``ids``, for every request of ``batch``.
 
-        Sampling (``params.temperature > 0``) proposers that draw at random must return the
-        distributions they drew from in ``probs``; ``with_probs`` asks for them in greedy mode too.
+        Sampling (``params.temperature > 0``) proposers that draw at random must draw with the
+        request's own generator and return the distributions they drew from in ``probs``.
         """
+
+
+class PerRequestProposer:
+    """Base for proposers that draft each request on its own (n-gram lookup, a draft LM)."""
+
+    def start(self, prompt_ids: list[int]) -> Any:
+        return None
+
+    def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        return [self.propose_one(d) for d in batch]
+
+    def propose_one(self, d: DraftInput) -> Proposal:
+        raise NotImplementedError
+
+
+class ModelSlot:
+    """The serving model and its version, and one replacement waiting to be taken."""
+
+    def __init__(self, model, version: str) -> None:
+        self.model, self.version = model, version
+        self._incoming: tuple[object, str] | None = None
+        self._lock = threading.Lock()
+
+    def offer(self, model, version: str) -> None:
+        """Hand over a new model (from any thread); the newest offer wins."""
+        with self._lock:
+            self._incoming = (model, version)
+
+    def take(self) -> bool:
+        """Serve the offered model from now on (the engine calls this between steps)."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, None
+        if incoming is None:
+            return False
+        self.model, self.version = incoming
+        return True
+
+
+class SwappableDraft:
+    """A proposer whose model the online learner replaces while it serves (draft LM, head)."""
+
+    slot: ModelSlot
+
+    @property
+    def model(self):
+        """The serving model (the online learner copies it and offers the trained copy back)."""
+        return self.slot.model
+
+    @property
+    def version(self) -> str:
+        return self.slot.version
+
+    @version.setter
+    def version(self, value: str) -> None:
+        self.slot.version = value
+
+    def swap_model(self, model, version: str) -> None:
+        """Hand over a new draft; safe from another thread, served from the next step on."""
+        self.slot.offer(model, version)
+
+    def take_swap(self) -> bool:
+        return self.slot.take()

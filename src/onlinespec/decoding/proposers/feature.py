@@ -1,86 +1,87 @@
-"""Proposals from a feature-conditioned head (:mod:`onlinespec.drafts.feature_head`).
+"""Proposals from a feature-conditioned head (:mod:`onlinespec.drafts.feature_head`), for a batch.
 
-The engine hands the proposer the target's post-norm hidden state at the last verified position
-after every round (:meth:`observe`); the head chains ``k`` steps from it. Until the first
-verification (the prefill) there is no feature, so round 0 proposes nothing.
+The engine hands the proposer the target's post-norm hidden state at each request's last verified
+position after every round (:meth:`observe`, kept in the request's :class:`HeadState`); the head
+chains ``k`` steps from it, for every request of the batch in one matrix product per step. Until
+a request's first verification (its prefill) there is no feature, so its round 0 proposes nothing.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from onlinespec.decoding.proposers.base import Proposal
-from onlinespec.decoding.sampling import SamplingParams, logits_to_probs, sample
+from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
+from onlinespec.decoding.sampling import logits_to_probs, sample
 from onlinespec.drafts.feature_head import FeatureHead
 
 
-class FeatureHeadProposer:
+@dataclass
+class HeadState:
+    feature: torch.Tensor | None = None  # the target's feature at the request's last verified position
+
+
+class FeatureHeadProposer(SwappableDraft):
     uses_features = True
 
     def __init__(self, head: FeatureHead, name: str = "feature-head", version: str = "v0") -> None:
-        self.head, self.name, self.version = head.eval(), name, version
-        self._incoming: tuple[FeatureHead, str] | None = None
-        self._feature: torch.Tensor | None = None
-
-    def begin(self, prompt_ids: list[int]) -> None:
-        self._take_incoming()
-        self._feature = None
-
-    def observe(self, feature: torch.Tensor) -> None:
-        """The target's post-norm hidden state at the last verified position."""
-        self._feature = feature
+        self.name = name
+        self.slot = ModelSlot(head.eval(), version)
 
     @property
-    def model(self) -> FeatureHead:
-        """The serving head (the online learner copies and swaps it)."""
-        return self.head
+    def head(self) -> FeatureHead:
+        return self.slot.model
 
     def swap_model(self, head: FeatureHead, version: str) -> None:
-        """Hand over a new head; safe from another thread, taken at the start of a round."""
-        self._incoming = (head.eval(), version)
+        super().swap_model(head.eval(), version)
 
-    def _take_incoming(self) -> None:
-        incoming, self._incoming = self._incoming, None
-        if incoming is not None:
-            self.head, self.version = incoming
+    def start(self, prompt_ids: list[int]) -> HeadState:
+        return HeadState()
+
+    def observe(self, state: HeadState, feature: torch.Tensor) -> None:
+        """The target's post-norm hidden state at the request's last verified position."""
+        state.feature = feature
 
     @torch.inference_mode()
-    def propose(
-        self,
-        ids: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        with_probs: bool = False,
-    ) -> Proposal:
-        self._take_incoming()
-        if self._feature is None or k <= 0:
-            return Proposal()
+    def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        out = [Proposal() for _ in batch]
+        live = [i for i, d in enumerate(batch) if d.k > 0 and d.state is not None and d.state.feature is not None]
+        if not live:
+            return out
         start = time.perf_counter()
         head = self.head
-        feature, token = self._feature.float(), torch.tensor(ids[-1])
-        tokens, confidences, rows = [], [], []
-        # greedy: the trace's q(x_i) is in the confidences, so full rows are built only to sample
-        keep_probs = not params.greedy
-        for _ in range(k):
+        feature = torch.stack([batch[i].state.feature for i in live]).float()
+        token = torch.tensor([batch[i].ids[-1] for i in live])
+        tokens = [[] for _ in live]
+        confidences = [[] for _ in live]
+        rows = [[] for _ in live]  # sampling only: the greedy trace's q(x_i) is in the confidences
+        for step in range(max(batch[i].k for i in live)):
             feature = head.step(feature, token)
             logits = head.logits(feature)
-            if params.greedy:
-                probs = logits.softmax(-1)
-                index = int(probs.argmax())
-            else:
-                probs = logits_to_probs(logits, params)
-                index = sample(probs, generator)
-            confidences.append(float(probs[index]))
-            token = head.vocab_ids[index]
-            tokens.append(int(token))
-            if keep_probs:
-                rows.append(probs)
-        probs = None
-        if rows:  # back onto the target's vocabulary: ids outside V_r get probability 0
-            restricted = torch.stack(rows)
-            probs = restricted.new_zeros(len(rows), head.config.vocab_size or int(head.restricted_index.shape[0]))
-            probs[:, head.vocab_ids] = restricted
-        return Proposal(tokens, probs, time.perf_counter() - start, confidences=confidences, source="head")
+            greedy_probs = logits.softmax(-1)
+            picks = greedy_probs.argmax(-1).tolist()
+            for row, i in enumerate(live):
+                d = batch[i]
+                if step >= d.k:
+                    continue
+                probs = greedy_probs[row]
+                if not d.params.greedy:
+                    probs = logits_to_probs(logits[row], d.params)
+                    picks[row] = sample(probs, d.generator)
+                    rows[row].append(probs)
+                confidences[row].append(float(probs[picks[row]]))
+                tokens[row].append(int(head.vocab_ids[picks[row]]))
+            token = head.vocab_ids[torch.tensor(picks)]
+        seconds = time.perf_counter() - start
+        vocab = head.config.vocab_size or int(head.restricted_index.shape[0])
+        for row, i in enumerate(live):
+            probs = None
+            if rows[row]:  # back onto the target's vocabulary: ids outside V_r get probability 0
+                restricted = torch.stack(rows[row])
+                probs = restricted.new_zeros(len(restricted), vocab)
+                probs[:, head.vocab_ids] = restricted
+            out[i] = Proposal(tokens[row], probs, seconds, confidences=confidences[row], source="head")
+        return out

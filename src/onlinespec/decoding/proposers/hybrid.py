@@ -2,18 +2,20 @@
 
 The target copies a lot (code identifiers, numbers from a math question, its own earlier
 sentences): there prompt lookup is free and often right for several tokens in a row. Where no
-earlier text matches, the learned draft proposes. The engine's adaptive-k policy then judges
-each source by its own measured acceptance (``Proposal.source``).
+earlier text matches, the learned draft proposes. A batch splits: every request is looked up on
+its own, and the requests with no match go to the learned draft in one call. The engine's
+adaptive-k policy then judges each source by its own measured acceptance (``Proposal.source``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from onlinespec.decoding.proposers.base import Proposal
+from onlinespec.decoding.proposers.base import DraftInput, Proposal
 from onlinespec.decoding.proposers.ngram import lookup
-from onlinespec.decoding.sampling import SamplingParams
 
 
 class HybridProposer:
@@ -24,37 +26,41 @@ class HybridProposer:
         self.name = f"hybrid(ngram:{max_ngram}+{learned.name})"
         self.uses_features = getattr(learned, "uses_features", False)
 
+    # the learned draft is what the online learner trains and swaps
+    @property
+    def slot(self):
+        return self.learned.slot
+
+    @property
+    def model(self):
+        return self.learned.model
+
     @property
     def version(self) -> str:
-        return getattr(self.learned, "version", "v0")
+        return self.learned.version
 
     @version.setter
     def version(self, value: str) -> None:
         self.learned.version = value
 
-    @property
-    def model(self):
-        """The learned draft (the online learner copies and swaps it)."""
-        return self.learned.model
-
     def swap_model(self, model, version: str) -> None:
         self.learned.swap_model(model, version)
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.learned.begin(prompt_ids)
+    def take_swap(self) -> bool:
+        return self.learned.take_swap()
 
-    def observe(self, feature: torch.Tensor) -> None:
-        self.learned.observe(feature)
+    def start(self, prompt_ids: list[int]):
+        return self.learned.start(prompt_ids)
 
-    def propose(
-        self,
-        ids: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        with_probs: bool = False,
-    ) -> Proposal:
-        copied = lookup(np.asarray(ids), k, self.max_ngram, self.min_ngram)
-        if copied:
-            return Proposal(tokens=copied, source="ngram")
-        return self.learned.propose(ids, k, params, generator, with_probs)
+    def observe(self, state, feature: torch.Tensor) -> None:
+        self.learned.observe(state, feature)
+
+    def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        out: list[Proposal | None] = []
+        for d in batch:
+            copied = lookup(np.asarray(d.ids), d.k, self.max_ngram, self.min_ngram)
+            out.append(Proposal(tokens=copied, source="ngram") if copied else None)
+        rest = [i for i, p in enumerate(out) if p is None]
+        for i, proposal in zip(rest, self.learned.propose([batch[i] for i in rest]) if rest else []):
+            out[i] = proposal
+        return out

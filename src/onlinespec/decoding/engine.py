@@ -1,0 +1,278 @@
+"""The batched propose / verify step: every running request advances one round per step.
+
+One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.step`):
+
+1. **leave / swap**: rows of requests that finished or were dropped leave the batch cache; each
+   learned proposer takes a draft the online learner handed over (between steps only);
+2. **prefill**: a new request's prompt runs in forwards of its own, in chunks of at most
+   ``prefill_chunk`` tokens per step while others are decoding (a long prompt never stalls them for
+   long); the last chunk carries its first proposals, so prefill and the first verification share a
+   pass, and then the request joins the batch cache;
+3. **draft**: each proposer drafts for all its requests in one call, as many tokens as the cost
+   model says pay at this batch size (:func:`~onlinespec.decoding.adaptive.proposal_budget`);
+4. **verify**: ONE target forward over every running request's block (its last token and its
+   proposals, padded to the step's width, :func:`~onlinespec.decoding.adaptive.plan_step`);
+   :mod:`onlinespec.decoding.verify` accepts a prefix per request and adds one token;
+5. **commit**: each request keeps its accepted columns in the cache (the rest become holes,
+   :mod:`onlinespec.decoding.batch_cache`), records its trace, and stops where it must.
+
+With no proposer (or ``k = 0``) the same step is plain autoregressive decoding of the target alone,
+so the baseline runs the same code, the same kernels and the same batching. One request alone is
+a batch of one: there is no second engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
+from onlinespec.decoding.batch_cache import BatchKVCache
+from onlinespec.decoding.calibrate import CostCurve
+from onlinespec.decoding.kvcache import truncate_cache
+from onlinespec.decoding.proposers.base import DraftInput, Proposal
+from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
+from onlinespec.decoding.sampling import logits_to_probs
+from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class StepReport:
+    """What one step ran: for the scheduler's metrics and the cost model's checks."""
+
+    batch: int  # requests verified in the batched forward
+    width: int  # its block width (after padding)
+    context: int  # cache columns it attended over (holes included)
+    proposed: int
+    accepted: int
+    emitted: int  # tokens emitted by every request of the step
+    prefill_tokens: int
+    draft_seconds: float
+    target_seconds: float  # the batched forward
+    prefill_seconds: float  # prompt forwards (chunks and joining requests)
+    seconds: float
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding of ``target`` over a batch of requests."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        eos_token_ids: frozenset[int],
+        k: int = 4,
+        trace_top_k: int = 32,
+        cost_curve: CostCurve | None = None,
+        pad: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        """``cost_curve``: the target's measured forward cost (pads blocks to faster widths when
+        ``pad``; adaptive k takes it from each request's draft statistics)."""
+        if k < 0:
+            raise ValueError(f"k (proposal length) must be >= 0, got {k}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.target, self.eos_token_ids, self.k = target, eos_token_ids, k
+        self.trace_top_k, self.cost_curve, self.pad = trace_top_k, cost_curve, pad
+        self.prefill_chunk = prefill_chunk
+        self.batch = BatchKVCache(target.config)
+        self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
+        self.last_step: StepReport | None = None
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, active: list[RequestState]) -> StepReport:
+        """Advance every unfinished request of ``active`` by one round (or one prefill chunk)."""
+        start = time.perf_counter()
+        self.batch.remove([r for r in self.batch.rows if r not in active or r.finished])
+        for proposer in {id(r.proposer): r.proposer for r in active if r.proposer is not None}.values():
+            if hasattr(proposer, "take_swap"):
+                proposer.take_swap()
+        decoding: list[RequestState] = list(self.batch.rows)
+        joining, prefill_seconds, prefill_tokens = self._prefill([r for r in active if not r.in_batch and not r.finished], bool(decoding))
+        for r in active:
+            r.new_tokens = []
+
+        rows = joining + decoding
+        tick = time.perf_counter()
+        proposals = self._draft(rows, joining, decoding)
+        draft_seconds = time.perf_counter() - tick
+
+        # the batched forward over the running requests
+        width, context, target_seconds, proposed, accepted = 0, self.batch.width, 0.0, 0, 0
+        emitted = 0
+        if decoding:
+            plan_rows = [self._plan_row(r, p, 1) for r, p in zip(decoding, proposals[len(joining):])]
+            width, counts = plan_step(plan_rows, context)
+            blocks_props = [trim(p, n) for p, n in zip(proposals[len(joining):], counts)]
+            blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, blocks_props)]
+            run_width = self.cost_curve.padded(len(blocks), width, context) if self.pad and self.cost_curve else width
+            tick = time.perf_counter()
+            logits, hidden = self._forward_batch(decoding, blocks, run_width)
+            target_seconds = time.perf_counter() - tick
+            kept = []
+            for b, (r, proposal) in enumerate(zip(decoding, blocks_props)):
+                timing = RoundTiming(len(proposal), draft_seconds, target_seconds, len(decoding))
+                n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
+                kept.append(1 + n_accepted)
+                proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
+            self.batch.commit(run_width, kept)
+
+        # requests whose last prompt chunk runs now: prefill + first verification in one forward of their own
+        for r, proposal in zip(joining, proposals[: len(joining)]):
+            rest = r.prompt_ids[r.prefilled:]
+            proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
+            tick = time.perf_counter()
+            logits, hidden = self._forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+            seconds = time.perf_counter() - tick
+            prefill_seconds += seconds
+            prefill_tokens += len(rest)
+            r.prefilled = len(r.prompt_ids)
+            n_accepted = self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), draft_seconds, seconds, 1))
+            proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
+            truncate_cache(r.prefill_cache, len(r.prompt_ids) + n_accepted)
+            if not r.finished:
+                self.batch.add(r, r.prefill_cache)
+                r.in_batch = True
+            r.prefill_cache = None
+
+        self.batch.remove([r for r in self.batch.rows if r.finished])
+        now = time.perf_counter()
+        for r in active:
+            if r.finished:
+                r.in_batch = False
+        self.last_step = StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
+                                    draft_seconds, target_seconds, prefill_seconds, now - start)
+        return self.last_step
+
+    # ---- the parts of a step ----------------------------------------------------------------
+
+    def _prefill(self, waiting: list[RequestState], others_decoding: bool) -> tuple[list[RequestState], float, int]:
+        """Run prompt chunks within this step's budget; return the requests whose last chunk
+        fits (they verify in this step) and the time and tokens spent on the other chunks."""
+        budget = self.prefill_chunk if others_decoding else None  # nobody waits on an empty batch
+        joining, seconds, tokens = [], 0.0, 0
+        for r in waiting:
+            if r.prefill_cache is None:
+                r.prefill_cache = DynamicCache(config=self.target.config)
+            rest = len(r.prompt_ids) - r.prefilled
+            if budget is None or rest <= budget:
+                joining.append(r)
+                budget = None if budget is None else budget - rest
+                continue
+            if budget > 0:  # a chunk that does not reach the end of the prompt: no logits needed
+                chunk = r.prompt_ids[r.prefilled: r.prefilled + budget]
+                tick = time.perf_counter()
+                self.target.get_decoder()(input_ids=torch.tensor([chunk]), cache=r.prefill_cache)
+                seconds += time.perf_counter() - tick
+                r.prefilled += len(chunk)
+                tokens += len(chunk)
+                budget = 0
+        return joining, seconds, tokens
+
+    def _draft(self, rows: list[RequestState], joining: list[RequestState], decoding: list[RequestState]) -> list[Proposal]:
+        """Each proposer drafts for all its requests in one call."""
+        proposals = [Proposal() for _ in rows]
+        budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.batch.width,
+                                 self._draft_cost(decoding)) if decoding else self.k
+        groups: dict[int, list[int]] = {}
+        asks: list[int] = []
+        for i, r in enumerate(rows):
+            k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
+            if r.adaptive is not None and not r.fixed_k and r in decoding:
+                k = min(k, budget)
+            asks.append(k)
+            if k > 0:
+                groups.setdefault(id(r.proposer), []).append(i)
+        for members in groups.values():
+            proposer = rows[members[0]].proposer
+            inputs = [DraftInput(rows[i].ids, asks[i], rows[i].params, rows[i].generator, rows[i].draft_state,
+                                 with_probs=rows[i].trace is not None) for i in members]
+            tick = time.perf_counter()
+            for i, proposal in zip(members, proposer.propose(inputs)):
+                proposals[i] = trim(proposal, asks[i])  # never more than asked, whatever the proposer did
+            seconds = (time.perf_counter() - tick) / max(asks[i] for i in members)
+            old = self._draft_step_seconds.get(id(proposer))
+            self._draft_step_seconds[id(proposer)] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        return proposals
+
+    def _draft_cost(self, rows: list[RequestState]) -> float:
+        return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})
+
+    def _plan_row(self, r: RequestState, proposal: Proposal, uncached: int) -> PlanRow:
+        return PlanRow(proposal, r.adaptive, use_confidence=r.params.greedy, fixed=r.fixed_k, uncached=uncached)
+
+    def _forward_batch(self, rows: list[RequestState], blocks: list[list[int]], width: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One forward over every running request's block: per request, its logits rows (and its
+        post-norm hidden states when its proposer reads features)."""
+        input_ids, positions, mask = self.batch.inputs(blocks, width)
+        sizes = [len(block) for block in blocks]
+        if not hasattr(self.target, "get_decoder"):  # a model that only has a causal-LM forward
+            logits = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.batch.cache).logits
+            return [_rows(logits[b, :n]) for b, n in enumerate(sizes)], None
+        hidden = self.target.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                           cache=self.batch.cache).last_hidden_state
+        # the output head (a large share of a forward) runs only on the rows verification reads
+        picked = torch.cat([hidden[b, :n] for b, n in enumerate(sizes)])
+        logits = _rows(self.target.get_output_embeddings()(picked))
+        features = any(getattr(r.proposer, "uses_features", False) for r in rows)
+        return list(logits.split(sizes)), list(picked.split(sizes)) if features else None
+
+    def _forward_alone(self, r: RequestState, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = torch.tensor([block])
+        if not hasattr(self.target, "get_decoder"):
+            return _rows(self.target(input_ids=input_ids, cache=r.prefill_cache, logits_to_keep=keep).logits[0]), None
+        hidden = self.target.get_decoder()(input_ids=input_ids, cache=r.prefill_cache).last_hidden_state[0, -keep:]
+        logits = _rows(self.target.get_output_embeddings()(hidden))
+        return logits, hidden if getattr(r.proposer, "uses_features", False) else None
+
+    def _finish_round(self, r: RequestState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, timing: RoundTiming) -> int:
+        """Verify one request's block, record what it saw, emit its tokens; return the accepted count."""
+        n = len(proposal)
+        logits = logits[: n + 1]
+        verdict = _verify(proposal, logits, r)
+        if r.trace is not None:
+            r.trace.append(self._trace(len(r.ids), proposal, logits, verdict, hidden))
+        if r.adaptive is not None and n:
+            r.adaptive.update(proposal, verdict.n_accepted, r.params.greedy)
+        if hidden is not None:  # the state at the last accepted position: what the next draft step reads
+            r.proposer.observe(r.draft_state, hidden[verdict.n_accepted])
+        new = r.stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])
+        r.ids.extend(new)
+        r.new_tokens = new
+        stats = r.stats
+        stats.add_round(n, verdict.n_accepted, timing)
+        stats.new_tokens = len(r.stop.generated)
+        stats.seconds = time.perf_counter() - r.submitted
+        if not stats.first_token_seconds:
+            stats.first_token_seconds = stats.seconds
+        stats.finish_reason = r.stop.finish_reason
+        return verdict.n_accepted
+
+    def _trace(self, position: int, proposal: Proposal, logits: torch.Tensor, verdict: Verdict, hidden: torch.Tensor | None) -> RoundTrace:
+        # top-K of the raw logits minus their log-sum-exp: no vocabulary-sized log-softmax row
+        top = logits.float().topk(min(self.trace_top_k, logits.shape[-1]), dim=-1)
+        values = top.values - torch.logsumexp(logits.float(), -1, keepdim=True)
+        draft_probs = proposal.confidences or None  # a greedy head: q(x_i) of its own choice, at temperature 1
+        if proposal.probs is not None:
+            draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
+        kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None
+        return RoundTrace(position, list(proposal.tokens), draft_probs, top.indices, values, verdict.n_accepted, verdict.next_token, kept)
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """Logits with contiguous rows: the small-batch kernels return them transposed, and every
+    row-wise op after this (verification, the trace's top-K) runs 3-5x faster on rows."""
+    return logits if logits.is_contiguous() else torch.stack(tuple(logits))
+
+
+def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdict:
+    if r.params.greedy:
+        return verify_greedy(proposal.tokens, logits)
+    return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, r.params), r.generator)

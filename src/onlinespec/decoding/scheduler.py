@@ -1,0 +1,67 @@
+"""Continuous batching: admit waiting requests into the engine's batch as slots free up.
+
+A request waits in a first-come queue until fewer than ``max_batch`` requests are running; it then
+joins at the next step (its prompt prefilled in chunks, :mod:`onlinespec.decoding.engine`) and
+leaves as soon as it finishes, so the next one takes its slot at once. ``submit`` may be called
+from any thread; ``step`` from one thread only (the engine's loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from onlinespec.decoding.engine import SpeculativeEngine, StepReport
+from onlinespec.decoding.request import RequestState
+
+
+class Scheduler:
+    def __init__(self, engine: SpeculativeEngine, max_batch: int = 8) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.max_batch = engine, max_batch
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self._lock = threading.Lock()
+
+    def submit(self, request: RequestState) -> RequestState:
+        with self._lock:
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request: RequestState) -> None:
+        """Drop a request (a client that went away); its slot frees at the next step."""
+        with self._lock:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> tuple[list[RequestState], StepReport | None]:
+        """Admit, run one engine step; return the requests it advanced (finished ones included)."""
+        with self._lock:
+            while self.waiting and len(self.running) < self.max_batch:
+                request = self.waiting.popleft()
+                request.stats.queued_seconds = time.perf_counter() - request.submitted
+                self.running.append(request)
+            active = list(self.running)
+        if not active:
+            return [], None
+        report = self.engine.step(active)
+        with self._lock:
+            self.running = [r for r in self.running if not r.finished]
+        return active, report
+
+    def run(self) -> list[StepReport]:
+        """Step until every submitted request has finished."""
+        reports = []
+        while self.has_work:
+            _, report = self.step()
+            if report is not None:
+                reports.append(report)
+        return reports

@@ -1,0 +1,31 @@
+"""Prompts to token ids, and a model's end-of-sequence ids: what the engine, the distillation
+signal and the bulk warm-up all need, kept below all of them."""
+
+from __future__ import annotations
+
+Prompt = str | list[dict] | list[int]
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt``: ids as they are, text as it is, chat messages through the template."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = list(prompt)
+    elif isinstance(prompt, list):
+        if not any(str(m.get("content") or "").strip() for m in prompt):
+            raise ValueError("the prompt is empty: the chat messages have no content")
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt).input_ids
+    else:
+        raise TypeError(f"prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one character of text or one chat message")
+    return ids
+
+
+def eos_token_ids(model, tokenizer=None) -> frozenset[int]:
+    """The ids that end a sequence: the model's generation config, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
