@@ -86,6 +86,44 @@ def compare_with_legacy(target, queries, new_tokens: int, rev: str) -> dict:
             "identical": sum(r["identical"] for r in rows), "n": len(rows), "prompts": rows}
 
 
+def tables(report: dict) -> str:
+    """The report's figures as Markdown tables (for docs/engine-batched.md)."""
+    lines = []
+    legacy = report.get("legacy")
+    if legacy:
+        lo, hi = legacy["ratio_95ci"]
+        lines += [f"Concurrency 1, new engine / batch-1 engine at {legacy['rev']}: {legacy['new_tokens_per_s']:.1f} / "
+                  f"{legacy['legacy_tokens_per_s']:.1f} tok/s = **{legacy['ratio']:.3f}x** (95% bootstrap interval "
+                  f"{lo:.3f}-{hi:.3f}; median per prompt {legacy['median_ratio']:.3f}); identical outputs "
+                  f"{legacy['identical']}/{legacy['n']}.", ""]
+    for part in ("short", "long"):
+        if part not in report:
+            continue
+        summary = report[part]
+        lines += [f"**{'held-out' if part == 'short' else 'long'} prompts** ({summary['n_prompts']}, "
+                  f"{summary['config']['max_new_tokens']} new tokens, greedy, fp32):", "",
+                  "| in flight | target alone tok/s | speculative tok/s | speedup | predicted | pred. error | "
+                  "latency p50 / p99 s (alone) | latency p50 / p99 s (spec.) | TTFT p50 / p99 s (spec.) | alpha | tau | mean k | "
+                  "speculating share | mean batch | context | identical (alone / spec.) |",
+                  "|" + "---|" * 16]
+        for level, fig in summary["concurrency"].items():
+            a, s = fig["target_alone"], fig["speculative"]
+            pred = fig.get("predicted_speedup")
+            err = f"{100 * (pred / fig['speedup_vs_target'] - 1):+.0f}%" if pred else "-"
+            lines.append(
+                f"| {level} | {a['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | **{fig['speedup_vs_target']:.2f}x** | "
+                f"{pred:.2f}x | {err} | {a['latency_p50_s']:.2f} / {a['latency_p99_s']:.2f} | {s['latency_p50_s']:.2f} / "
+                f"{s['latency_p99_s']:.2f} | {s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {s['acceptance_rate']:.3f} | "
+                f"{s['tau']:.2f} | {s['mean_k']:.2f} | {s['speculating_share']:.2f} | {s['mean_batch']:.2f} | "
+                f"{s['mean_context']:.0f} | {a.get('greedy_identical', '-')} / {s.get('greedy_identical', '-')} |")
+        first = summary["concurrency"].get("1")
+        if first and "8" in summary["concurrency"]:
+            scale = summary["concurrency"]["8"]["target_alone"]["tokens_per_s"] / first["target_alone"]["tokens_per_s"]
+            lines += ["", f"Target alone at 8 in flight: {scale:.2f}x its own throughput at 1."]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=64, help="held-out prompts")
@@ -94,7 +132,11 @@ def main() -> None:
     parser.add_argument("--levels", default="1,2,4,8")
     parser.add_argument("--legacy", default=LEGACY_REV, help="git revision of the engine to compare with at concurrency 1 ('' to skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--report-only", action="store_true", help="print the tables of runs/engine-batched/report.json")
     args = parser.parse_args()
+    if args.report_only:
+        print(tables(json.loads((ROOT / "runs" / "engine-batched" / "report.json").read_text())))
+        return
     sys.path.insert(0, str(ROOT / "src"))
     from onlinespec.benchmark import BenchConfig, machine_info, plot_concurrency, run_concurrency_bench
     from onlinespec.data import long_prompts, packaged_prompts
@@ -127,6 +169,7 @@ def main() -> None:
     (runs / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "engine-batched.json").write_text(json.dumps({k: v for k, v in report.items() if k != "legacy"} |
                                                             {"legacy": {k: v for k, v in report.get("legacy", {}).items() if k != "prompts"}}, indent=2))
+    print(tables(report))
     print(f"wrote {runs / 'report.json'} and the plots in {args.out}")
 
 

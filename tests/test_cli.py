@@ -133,3 +133,43 @@ def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(
     bad = runner.invoke(app, ["demo", "--per-domain", "3,2", "--out-dir", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--per-domain" in bad.output
     assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_target_folder(tmp_path_factory, tiny_llama, default_tokenizer):
+    """A tiny random Llama with the default tokenizer, saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    model = tiny_llama(11, vocab_size=len(default_tokenizer), hidden_size=16, num_layers=2, head_scale=3.0)
+    model.generation_config.eos_token_id = default_tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_at_several_concurrency_levels(tmp_path, tiny_target_folder):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x): return x + x + x + x", "domain": "code"}) + "\n" for i in range(5)))
+    out = tmp_path / "conc.json"
+    result = runner.invoke(app, ["bench", "--prompts", str(prompts), "--json", str(out), "--target", str(tiny_target_folder),
+                                 "--draft", "ngram", "--k", "3", "--max-new-tokens", "6", "--concurrency", "1,3", "--no-kernels"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert set(summary["concurrency"]) == {"1", "3"}
+    for level in summary["concurrency"].values():
+        for method in ("target_alone", "speculative"):
+            fig = level[method]
+            for key in ("tokens_per_s", "requests_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s"):
+                assert fig[key] > 0, key
+            assert fig["greedy_identical"] == 5 and fig["new_tokens"] <= 5 * 6
+        assert level["speedup_vs_target"] > 0 and level["predicted_speedup"] > 0
+    assert summary["concurrency"]["3"]["target_alone"]["mean_batch"] > 1  # requests really ran together
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_refuses_a_bad_concurrency_list(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n')
+    result = runner.invoke(app, ["bench", "--prompts", str(prompts), "--json", str(tmp_path / "o.json"), "--concurrency", "1,zero"])
+    assert result.exit_code == 2
+    assert "comma-separated whole numbers" in result.output
+    assert not (tmp_path / "o.json").exists()

@@ -394,6 +394,7 @@ def _level_figures(outs: list[Generation], steps: list, wall: float) -> dict:
         "speculating_share": sum(s.batch for s in verify if s.width > 1) / weight,
         "forward_seconds_per_step": sum(s.target_seconds for s in verify) / max(len(verify), 1),
         "draft_seconds_per_step": sum(s.draft_seconds for s in verify) / max(len(verify), 1),
+        "prefill_seconds": sum(s.prefill_seconds for s in steps),
         "prefill_share": sum(s.prefill_seconds for s in steps) / wall,
     }
 
@@ -407,18 +408,22 @@ def _identity(target: LoadedModel, outs: list[list[int]], reference: list[list[i
 
 
 def predicted_speedup(curve, spec: dict, alone: dict, pad: bool = True) -> float:
-    """The extended cost model's speedup at a run's measured batch size, context and proposal
-    length: tokens per step ``E(alpha, k)`` (the paper's i.i.d. formula, PAPER.md section 1) over
-    the measured cost of a forward of that batch and width (plus the draft's measured time per
-    step), against one token per step at the target-alone run's cost of width 1."""
-    e = _e_fractional(spec["acceptance_rate"], spec["mean_k"])
-    width = 1 + spec["mean_k"]
-    low = int(width)
-    cost_at = lambda w: curve.padded_cost(round(spec["mean_batch"]), w, int(spec["mean_context"])) if pad else curve.cost(round(spec["mean_batch"]), w, int(spec["mean_context"]))  # noqa: E731
-    spec_cost = cost_at(low) + (width - low) * (cost_at(low + 1) - cost_at(low)) if width > low else cost_at(low)
-    spec_cost += spec["draft_seconds_per_step"]
-    alone_cost = curve.cost(round(alone["mean_batch"]), 1, int(alone["mean_context"]))
-    return (e / spec_cost) / (1.0 / alone_cost)
+    """The extended cost model's speedup for a run, from its measured alpha, proposal length,
+    batch size and context: a decoding step emits ``B * E(alpha, k)`` tokens (the paper's i.i.d.
+    formula, PAPER.md section 1) and costs the measured curve's forward of ``B`` rows of width
+    ``1 + k`` at that context, plus the draft's measured time per step; the target alone emits
+    ``B`` tokens per width-1 forward. Prompt prefill is not what the model is about: both runs
+    prefill the same prompts, and each run's measured prefill seconds are added to its time."""
+    def cost(fig: dict, width: float) -> float:
+        at = (lambda w: curve.padded_cost(fig["mean_batch"], w, fig["mean_context"])) if pad else (lambda w: curve.cost(fig["mean_batch"], w, fig["mean_context"]))
+        low = int(width)
+        return at(low) + (width - low) * (at(low + 1) - at(low)) if width > low else at(low)
+
+    def seconds(fig: dict, tokens_per_row_step: float, step_cost: float) -> float:
+        return fig["new_tokens"] / (fig["mean_batch"] * tokens_per_row_step / step_cost) + fig["prefill_seconds"]
+
+    spec_step = cost(spec, 1 + spec["mean_k"]) + spec["draft_seconds_per_step"]
+    return seconds(alone, 1.0, cost(alone, 1)) / seconds(spec, _e_fractional(spec["acceptance_rate"], spec["mean_k"]), spec_step)
 
 
 def _e_fractional(alpha: float, k: float) -> float:

@@ -15,7 +15,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
+from onlinespec.benchmark import BenchConfig
+from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.stream import OnlineConfig
 from onlinespec.routing import MAX_DRAFTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
@@ -75,23 +78,23 @@ def bench(
     prompts: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL: {'prompt'|'messages', 'domain'?, 'max_new_tokens'?}")],
     json_out: Annotated[Path, typer.Option("--json", help="where to write the results")],
     target: TargetOpt = "default",
-    draft: DraftOpt = DEFAULT_DRAFT,
-    k: KOpt = DEFAULT_K,
-    dtype: DtypeOpt = "float32",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="for prompts that do not set it")] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
-    top_p: float = 1.0,
-    top_k: Annotated[int, typer.Option(min=0)] = 0,
-    seed: int = 0,
-    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = True,
-    pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = True,
-    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per round, verify only the proposals the cost model says pay")] = True,
-    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = True,
+    draft: DraftOpt = BenchConfig.draft,
+    k: KOpt = BenchConfig.k,
+    dtype: DtypeOpt = BenchConfig.dtype,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="for prompts that do not set it")] = BenchConfig.max_new_tokens,
+    temperature: Annotated[float, typer.Option(min=0.0)] = BenchConfig.temperature,
+    top_p: float = BenchConfig.top_p,
+    top_k: Annotated[int, typer.Option(min=0)] = BenchConfig.top_k,
+    seed: int = BenchConfig.seed,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = BenchConfig.hf_assisted,
+    pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = BenchConfig.pad_verify,
+    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per step, verify only the proposals the cost model says pay")] = BenchConfig.adaptive_k,
+    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = BenchConfig.small_batch_kernels,
     concurrency: Annotated[Optional[str], typer.Option(help="comma-separated levels, e.g. 1,2,4,8: serve the prompts with that many in flight (batched), target alone vs speculative; writes a PNG beside the JSON")] = None,
 ) -> None:
     """Target alone vs our speculative decoding vs HF assisted generation, side by side
     (``--concurrency``: both batched, at each number of requests in flight)."""
-    from onlinespec.benchmark import BenchConfig, plot_concurrency
+    from onlinespec.benchmark import plot_concurrency
     from onlinespec.data import read_queries_jsonl
 
     levels = _user_errors(lambda: _levels(concurrency)) if concurrency else None
@@ -208,7 +211,6 @@ def demo(
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import abrupt_shifts, split
-    from onlinespec.online.stream import OnlineConfig
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
     blocks = _user_errors(lambda: _blocks(per_domain, names))
@@ -219,7 +221,7 @@ def demo(
         shutil.rmtree(out_dir / "run")
         console.print(f"removed the previous demo run in {out_dir / 'run'}: the demo starts from the packaged draft")
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
-    learner = LearnerConfig(update_interval=update_interval, position_policy="verified")
+    learner = LearnerConfig(update_interval=update_interval)
     config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=compare_every, check_learning_off=False, learner=learner)
     _serve_online(queries, config, out_dir / "run", out_dir / "online.json",
                   f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain")
@@ -249,19 +251,19 @@ def online(
     dtype: DtypeOpt = "float32",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     learn: Annotated[bool, typer.Option("--learn/--static", help="update the draft online, or keep it static")] = True,
-    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = 25,
-    interval_unit: Annotated[str, typer.Option(help="requests, records or tokens")] = "requests",
-    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
-    beta: Annotated[float, typer.Option(help="JSD mixing weight")] = 0.5,
-    source: Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")] = "teacher",
-    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = "verified",
-    buffer_policy: Annotated[str, typer.Option(help="clear, window, reservoir or priority")] = "window",
+    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = LearnerConfig.update_interval,
+    interval_unit: Annotated[str, typer.Option(help="requests, records or tokens")] = LearnerConfig.interval_unit,
+    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = DistillConfig.loss,
+    beta: Annotated[float, typer.Option(help="JSD mixing weight")] = DistillConfig.beta,
+    source: Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")] = LearnerConfig.source,
+    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = LearnerConfig.position_policy,
+    buffer_policy: Annotated[str, typer.Option(help="clear, window, reservoir or priority")] = OnlineConfig.buffer_policy,
     steps_per_update: Annotated[int, typer.Option(min=1)] = LearnerConfig.steps_per_update,
     batch_size: Annotated[int, typer.Option(min=1, help="examples per learner step")] = LearnerConfig.batch_size,
     lr: float = LearnerConfig.lr,
-    learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = 1,
-    priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = "low",
-    cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = 1.0,
+    learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = LearnerConfig.threads,
+    priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = LearnerConfig.priority,
+    cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = LearnerConfig.cpu_share,
     gate_by: Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")] = LearnerConfig.gate_by,
     router: Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")] = "domain",
     max_drafts: Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")] = MAX_DRAFTS,
@@ -271,8 +273,6 @@ def online(
 ) -> None:
     """Serve a query stream with speculative decoding while the draft learns from it."""
     from onlinespec.data import read_queries_jsonl
-    from onlinespec.distill.step import DistillConfig
-    from onlinespec.online.stream import OnlineConfig
 
     queries = _user_errors(lambda: read_queries_jsonl(stream))
     if not queries:

@@ -62,3 +62,24 @@ def test_greedy_speculative_is_identical(target, prompts, reference, draft, k, a
             gap = divergence_gap(target, out.prompt_ids, expected, out.token_ids)
             assert gap <= NEAR_TIE["float32"], f"greedy output diverged where the target was not near a tie (gap {gap})"
     assert accepted > 0, "no proposal was ever accepted: the test would not exercise multi-token rounds"
+
+
+def test_greedy_speculative_is_identical_when_batched(target, prompts, reference):
+    """The default draft (hybrid, adaptive k on the measured curve over batch sizes 1-4), the 30
+    prompts served 4 at a time: every request's output is the target alone's (near-tie rule),
+    and the target alone batched the same way equals itself one at a time."""
+    options = engine_options(target, 4, pad=True, adaptive=True, max_batch=4)
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+    decoders = {
+        "hybrid": SpeculativeDecoder(target.model, target.tokenizer, make_proposer("hybrid", target).proposer, k=4, **options),
+        "target alone": SpeculativeDecoder(target.model, target.tokenizer, None, cost_curve=options["cost_curve"]),
+    }
+    accepted = {}
+    for name, decoder in decoders.items():
+        outs = decoder.generate_many(prompts, params, max_batch=4)
+        accepted[name] = sum(o.stats.accepted for o in outs)
+        for out, expected in zip(outs, reference):
+            if out.token_ids != expected:
+                gap = divergence_gap(target, out.prompt_ids, expected, out.token_ids)
+                assert gap <= NEAR_TIE["float32"], f"{name}: batched greedy output diverged where the target was not near a tie (gap {gap})"
+    assert accepted["hybrid"] > 0, "no proposal was ever accepted: the test would not exercise multi-token rounds"

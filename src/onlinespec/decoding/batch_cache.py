@@ -129,7 +129,24 @@ class BatchKVCache:
         if self.width > MIN_CAPACITY and self.width > 2 * max(self.lengths):
             self.compact()
 
+    def rewind(self, width: int) -> None:
+        """Forget the last ``width`` columns, as if the last forward had not run (calibration)."""
+        for layer in self.cache.layers:
+            layer.used -= width
+            layer._expose()
+
     # ---- joining, leaving, compacting -----------------------------------------------------
+
+    @classmethod
+    def filled(cls, config, cache: DynamicCache, rows: list[object]) -> "BatchKVCache":
+        """A batch cache holding ``cache``'s rows as they are (every column real)."""
+        batch = cls(config)
+        length = cache.get_seq_length()
+        for layer, source in zip(batch.cache.layers, cache.layers):
+            layer.set(source.keys, source.values, capacity=2 * length)
+        batch.rows, batch.lengths = list(rows), [length] * len(rows)
+        batch.valid = torch.ones(len(rows), length, dtype=torch.bool)
+        return batch
 
     def add(self, row: object, cache: DynamicCache) -> None:
         """A request joins with its own cache (every column real). Rows are aligned on the right:
@@ -200,3 +217,18 @@ def _left_pad(x: torch.Tensor, total: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([x.new_zeros(shape), x], dim)
+
+
+def forward(model, batch: BatchKVCache, blocks: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward over one block per row of ``batch``, padded to ``width``: the logits of every
+    block's tokens, rows concatenated in row order ``[sum(len(block)), V]``, and the post-norm
+    hidden states they came from (None for a model with only a causal-LM forward). The output
+    head (a large share of a forward) runs only on those rows, never on the padding."""
+    input_ids, positions, mask = batch.inputs(blocks, width)
+    sizes = [len(block) for block in blocks]
+    if not hasattr(model, "get_decoder"):  # a model that only has a causal-LM forward
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=batch.cache).logits
+        return torch.cat([logits[b, :n] for b, n in enumerate(sizes)]), None
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=batch.cache).last_hidden_state
+    picked = torch.cat([hidden[b, :n] for b, n in enumerate(sizes)])
+    return model.get_output_embeddings()(picked), picked

@@ -25,27 +25,29 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from onlinespec.decoding.kvcache import truncate_cache
+from onlinespec.decoding.batch_cache import BatchKVCache, forward
 
 CONTEXTS = (64, 512)
 
 
 @torch.inference_mode()
 def forward_costs(model: PreTrainedModel, max_width: int = 8, context: int = 64, reps: int = 5, batch: int = 1) -> list[float]:
-    """Median seconds of one cached forward over 1..max_width new tokens per row (logits for all)."""
+    """Median seconds of one verify forward, as the engine runs it (its batch cache, the output
+    head on every block token), over ``batch`` rows of 1..max_width new tokens after ``context``."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (batch, context), generator=generator), cache=cache, logits_to_keep=1)
+    prefill = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(0, vocab, (batch, context), generator=generator), cache=prefill, logits_to_keep=1)
+    cache = BatchKVCache.filled(model.config, prefill, list(range(batch)))
     costs = []
     for width in range(1, max_width + 1):
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
-            block = torch.randint(0, vocab, (batch, width), generator=generator)
+            blocks = torch.randint(0, vocab, (batch, width), generator=generator).tolist()
             start = time.perf_counter()
-            model(input_ids=block, cache=cache, logits_to_keep=width)
+            forward(model, cache, blocks, width)
             times.append(time.perf_counter() - start)
-            truncate_cache(cache, context)
+            cache.rewind(width)
         costs.append(statistics.median(times[1:]))
     return costs
 

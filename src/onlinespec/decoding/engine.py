@@ -31,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
 from onlinespec.decoding.batch_cache import BatchKVCache
+from onlinespec.decoding.batch_cache import forward as batch_forward
 from onlinespec.decoding.calibrate import CostCurve
 from onlinespec.decoding.kvcache import truncate_cache
 from onlinespec.decoding.proposers.base import DraftInput, Proposal
@@ -211,18 +212,10 @@ class SpeculativeEngine:
     def _forward_batch(self, rows: list[RequestState], blocks: list[list[int]], width: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """One forward over every running request's block: per request, its logits rows (and its
         post-norm hidden states when its proposer reads features)."""
-        input_ids, positions, mask = self.batch.inputs(blocks, width)
+        logits, hidden = batch_forward(self.target, self.batch, blocks, width)
         sizes = [len(block) for block in blocks]
-        if not hasattr(self.target, "get_decoder"):  # a model that only has a causal-LM forward
-            logits = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.batch.cache).logits
-            return [_rows(logits[b, :n]) for b, n in enumerate(sizes)], None
-        hidden = self.target.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                           cache=self.batch.cache).last_hidden_state
-        # the output head (a large share of a forward) runs only on the rows verification reads
-        picked = torch.cat([hidden[b, :n] for b, n in enumerate(sizes)])
-        logits = _rows(self.target.get_output_embeddings()(picked))
-        features = any(getattr(r.proposer, "uses_features", False) for r in rows)
-        return list(logits.split(sizes)), list(picked.split(sizes)) if features else None
+        features = hidden is not None and any(getattr(r.proposer, "uses_features", False) for r in rows)
+        return list(_rows(logits).split(sizes)), list(hidden.split(sizes)) if features else None
 
     def _forward_alone(self, r: RequestState, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_ids = torch.tensor([block])

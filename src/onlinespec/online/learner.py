@@ -41,7 +41,7 @@ UNITS = ("requests", "records", "tokens")
 class LearnerConfig:
     update_interval: int = 25  # I
     interval_unit: str = "requests"  # requests | records | tokens (generated tokens)
-    position_policy: str = "rejected"  # which verified positions become training rows (recorder)
+    position_policy: str = "verified"  # which verified positions become training rows (recorder; the paper: rejected)
     distill: DistillConfig = field(default_factory=DistillConfig)
     steps_per_update: int = 40
     batch_size: int = 32  # examples per step: chain starts for a feature head, records for a draft LM
