@@ -134,8 +134,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--report-only", action="store_true", help="print the tables of runs/engine-batched/report.json")
     args = parser.parse_args()
-    if args.report_only:
-        print(tables(json.loads((ROOT / "runs" / "engine-batched" / "report.json").read_text())))
+    if args.report_only:  # tables and plots again from the last run
+        sys.path.insert(0, str(ROOT / "src"))
+        from onlinespec.benchmark import plot_concurrency
+
+        report = json.loads((ROOT / "runs" / "engine-batched" / "report.json").read_text())
+        for part, name in (("short", "engine-batched.png"), ("long", "engine-batched-long.png")):
+            if part in report:
+                plot_concurrency(report[part], args.out / name)
+        print(tables(report))
         return
     sys.path.insert(0, str(ROOT / "src"))
     from onlinespec.benchmark import BenchConfig, machine_info, plot_concurrency, run_concurrency_bench

@@ -69,6 +69,18 @@ def default_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_target_folder(tmp_path_factory, default_tokenizer):
+    """A tiny random 2-layer Llama with the default tokenizer, saved as a Hugging Face folder
+    (a target spec the CLI and the online runner load like any local model)."""
+    folder = tmp_path_factory.mktemp("tiny-target-2l")
+    model = build_tiny_llama(11, vocab_size=len(default_tokenizer), hidden_size=16, num_layers=2, head_scale=3.0)
+    model.generation_config.eos_token_id = default_tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def default_target():
     """The real default target (SmolLM2-135M-Instruct), loaded once per session. Slow tests only."""
     from onlinespec.models import load_model

@@ -135,17 +135,6 @@ def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(
     assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0
 
 
-@pytest.fixture(scope="module")
-def tiny_target_folder(tmp_path_factory, tiny_llama, default_tokenizer):
-    """A tiny random Llama with the default tokenizer, saved as a Hugging Face folder."""
-    folder = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_llama(11, vocab_size=len(default_tokenizer), hidden_size=16, num_layers=2, head_scale=3.0)
-    model.generation_config.eos_token_id = default_tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_bench_at_several_concurrency_levels(tmp_path, tiny_target_folder):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x): return x + x + x + x", "domain": "code"}) + "\n" for i in range(5)))

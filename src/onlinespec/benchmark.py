@@ -388,7 +388,8 @@ def _level_figures(outs: list[Generation], steps: list, wall: float) -> dict:
         "step_acceptance": _step_acceptance(stats),
         # the batched forwards, weighted by the requests in them: what the cost model is fed
         "steps": len(steps),
-        "mean_batch": sum(s.batch * s.batch for s in verify) / weight,
+        "mean_batch": sum(s.batch * s.batch for s in verify) / weight,  # as a request sees it
+        "batch_per_step": weight / max(len(verify), 1),  # as the engine sees it: requests per forward
         "mean_width": sum(s.width * s.batch for s in verify) / weight,
         "mean_context": sum(s.context * s.batch for s in verify) / weight,
         "speculating_share": sum(s.batch for s in verify if s.width > 1) / weight,
@@ -415,12 +416,13 @@ def predicted_speedup(curve, spec: dict, alone: dict, pad: bool = True) -> float
     ``B`` tokens per width-1 forward. Prompt prefill is not what the model is about: both runs
     prefill the same prompts, and each run's measured prefill seconds are added to its time."""
     def cost(fig: dict, width: float) -> float:
-        at = (lambda w: curve.padded_cost(fig["mean_batch"], w, fig["mean_context"])) if pad else (lambda w: curve.cost(fig["mean_batch"], w, fig["mean_context"]))
+        batch = fig["batch_per_step"]
+        at = (lambda w: curve.padded_cost(batch, w, fig["mean_context"])) if pad else (lambda w: curve.cost(batch, w, fig["mean_context"]))
         low = int(width)
         return at(low) + (width - low) * (at(low + 1) - at(low)) if width > low else at(low)
 
     def seconds(fig: dict, tokens_per_row_step: float, step_cost: float) -> float:
-        return fig["new_tokens"] / (fig["mean_batch"] * tokens_per_row_step / step_cost) + fig["prefill_seconds"]
+        return fig["new_tokens"] / (fig["batch_per_step"] * tokens_per_row_step / step_cost) + fig["prefill_seconds"]
 
     spec_step = cost(spec, 1 + spec["mean_k"]) + spec["draft_seconds_per_step"]
     return seconds(alone, 1.0, cost(alone, 1)) / seconds(spec, _e_fractional(spec["acceptance_rate"], spec["mean_k"]), spec_step)
@@ -448,10 +450,12 @@ def plot_concurrency(summary: dict, path) -> None:
         right.plot(levels, [f[method]["latency_p50_s"] for f in figs], marker="o", label=label)
     for n, f in zip(levels, figs):
         left.annotate(f"{f['speedup_vs_target']:.2f}x", (n, f["speculative"]["tokens_per_s"]), textcoords="offset points", xytext=(4, 6))
-    left.set(xlabel="requests in flight", ylabel="output tokens / s", title="throughput", xscale="log", xticks=levels)
-    right.set(xlabel="requests in flight", ylabel="seconds", title="latency p50 per request", xscale="log", xticks=levels)
+    left.set(xlabel="requests in flight", ylabel="output tokens / s", title="throughput")
+    right.set(xlabel="requests in flight", ylabel="seconds", title="latency p50 per request")
     for ax in (left, right):
-        ax.set_xticklabels([str(n) for n in levels])
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(levels, [str(n) for n in levels])
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{summary['n_prompts']} prompts, {summary['config']['max_new_tokens']} new tokens, {summary['machine']['date']}")

@@ -9,8 +9,6 @@ p-value > 1e-3 (the tolerance of tests/decoding/test_lossless_engine.py).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -109,28 +107,6 @@ def test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution(tiny_t
     assert sum(c for x, c in counts.items() if exact.get(x, 0.0) == 0) == 0
     p_value, stat, df = fit(counts, exact, chi_square)
     assert p_value > PASS_P, (p_value, stat, df)
-
-
-def test_swaps_from_another_thread_never_break_a_batch(tiny_target, tiny_draft):
-    proposer = DraftModelProposer(tiny_draft)
-    decoder = SpeculativeDecoder(tiny_target, None, proposer, k=2)
-    expected = [SpeculativeDecoder(tiny_target).generate(p, sp).token_ids for p, sp in zip(PROMPTS, _params())]
-    stop = threading.Event()
-
-    def swapper():
-        i = 0
-        while not stop.is_set():
-            i += 1
-            proposer.swap_model(tiny_target if i % 2 else tiny_draft, f"v{i}")
-
-    thread = threading.Thread(target=swapper)
-    thread.start()
-    try:
-        outs = decoder.generate_many(PROMPTS, _params(), max_batch=3)
-    finally:
-        stop.set()
-        thread.join()
-    assert [o.token_ids for o in outs] == expected
 
 
 def test_a_swap_offered_between_two_takes_is_never_lost(tiny_draft, tiny_target):

@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.sampling import SamplingParams
@@ -28,7 +30,8 @@ def test_swap_between_rounds_keeps_greedy_output(tiny_target, tiny_draft):
     assert out.stats.acceptance_rate > 0.5  # the swapped-in draft was really used
 
 
-def test_swaps_from_another_thread_never_break_a_request(tiny_target, tiny_draft):
+@pytest.mark.parametrize("max_batch", [1, 3], ids=["one-at-a-time", "batched"])
+def test_swaps_from_another_thread_never_break_a_request(tiny_target, tiny_draft, max_batch):
     proposer = DraftModelProposer(tiny_draft)
     decoder = SpeculativeDecoder(tiny_target, None, proposer, k=2)
     stop = threading.Event()
@@ -42,7 +45,7 @@ def test_swaps_from_another_thread_never_break_a_request(tiny_target, tiny_draft
     thread = threading.Thread(target=swapper)
     thread.start()
     try:
-        outputs = [decoder.generate([3, 4, 5], PARAMS).token_ids for _ in range(5)]
+        outputs = [o.token_ids for o in decoder.generate_many([[3, 4, 5]] * 5, PARAMS, max_batch=max_batch)]
     finally:
         stop.set()
         thread.join()

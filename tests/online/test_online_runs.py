@@ -9,20 +9,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_llama, default_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-target-2l")
-    model = tiny_llama(11, vocab_size=len(default_tokenizer), hidden_size=16, num_layers=2, head_scale=3.0)
-    model.generation_config.eos_token_id = default_tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    default_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def write_stream(path, n):
@@ -31,9 +19,9 @@ def write_stream(path, n):
     ))
 
 
-def command(tiny_folder, stream, out_dir, json_out, steps):
+def command(tiny_target_folder, stream, out_dir, json_out, steps):
     return [sys.executable, "-m", "onlinespec.cli", "online", "--stream", str(stream), "--json", str(json_out),
-            "--out-dir", str(out_dir), "--target", str(tiny_folder), "--draft", "target-layers:1", "-k", "2",
+            "--out-dir", str(out_dir), "--target", str(tiny_target_folder), "--draft", "target-layers:1", "-k", "2",
             "--max-new-tokens", "8", "--update-interval", "3", "--steps-per-update", str(steps), "--batch-size", "4",
             "--positions", "verified", "--buffer-policy", "window", "--priority", "normal", "--fixed-k", "--no-kernels"]
 
@@ -46,11 +34,11 @@ def events(out_dir):
     return [json.loads(line) for line in lines if line.endswith("}")]  # a line cut by the kill is not an event
 
 
-def test_sigkill_during_an_update_then_restart_serves_the_last_published_version(tiny_folder, tmp_path):
+def test_sigkill_during_an_update_then_restart_serves_the_last_published_version(tiny_target_folder, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ONLINESPEC_CACHE": str(tmp_path / "cache")}
     stream, out_dir = tmp_path / "stream.jsonl", tmp_path / "run"
     write_stream(stream, 400)
-    proc = subprocess.Popen(command(tiny_folder, stream, out_dir, tmp_path / "a.json", steps=60), env=env,
+    proc = subprocess.Popen(command(tiny_target_folder, stream, out_dir, tmp_path / "a.json", steps=60), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline, killed_mid_update = time.time() + 240, False
     try:
@@ -82,7 +70,7 @@ def test_sigkill_during_an_update_then_restart_serves_the_last_published_version
 
     # restart on the same directory: it resumes with the last published version and the whole buffer
     write_stream(stream, 2)
-    again = subprocess.run(command(tiny_folder, stream, out_dir, tmp_path / "b.json", steps=2), env=env,
+    again = subprocess.run(command(tiny_target_folder, stream, out_dir, tmp_path / "b.json", steps=2), env=env,
                            capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-2000:]
     start = [e for e in events(out_dir) if e["event"] == "draft"][-1]
@@ -92,7 +80,7 @@ def test_sigkill_during_an_update_then_restart_serves_the_last_published_version
     assert rows[0]["draft_version"] == last_published
 
 
-def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_folder, tmp_path, monkeypatch, one_thread):
+def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_target_folder, tmp_path, monkeypatch, one_thread):
     from onlinespec.data import Query
     from onlinespec.online.learner import LearnerConfig
     from onlinespec.online.stream import OnlineConfig, run_stream
@@ -101,7 +89,7 @@ def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_folder
     queries = [Query(id=f"q{i}", domain="code" if i < 4 else "chat", source="test", prompt=f"def f{i}(x):",
                      train=i != 5) for i in range(8)]
     config = OnlineConfig(
-        target=str(tiny_folder), draft="target-layers:1", k=2, max_new_tokens=8, compare_every=2, kernels=False,
+        target=str(tiny_target_folder), draft="target-layers:1", k=2, max_new_tokens=8, compare_every=2, kernels=False,
         adaptive_k=False, learner=LearnerConfig(update_interval=3, steps_per_update=2, batch_size=4, priority="normal",
                                                 position_policy="verified"),
     )

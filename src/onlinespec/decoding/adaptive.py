@@ -150,19 +150,22 @@ def proposal_budget(
     """Before drafting: ``k`` if speculating pays at all for a batch of ``len(adaptives)`` rows,
     else 0 (a plain decoding step, nothing drafted).
 
-    Judged from past statistics alone: one proposal per request, at its measured step-1
-    acceptance, against the cost of the wider forward and of one draft step. Deeper steps are
-    left to :func:`plan_step`, which sees the drafts' confidences (and whose choices are what
-    teaches the later steps' statistics: asking for fewer here would never measure them).
+    Judged from past statistics alone: the best number of proposals per request at its draft's
+    measured per-step acceptance, against the cost of that wider forward at this batch size and
+    of the draft steps. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
+    sees the drafts' confidences, picks how many to verify (its choices are what keeps the later
+    steps' statistics measured).
     """
     planner = next((a for a in adaptives if a is not None), None)
     if planner is None or k <= 0:
         return k
     batch = len(adaptives)
-    gain = sum(expected_tokens(a.step_estimates(1) if a is not None else [1.0], 1) for a in adaptives)
+    estimates = [a.step_estimates(k) if a is not None else [1.0] * k for a in adaptives]
     plain = batch / planner.cost(1, batch, context)
-    speculative = gain / (planner.cost(2, batch, context) + draft_step_seconds)
-    return k if speculative > plain else 0
+    for n in range(1, k + 1):
+        if sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds) > plain:
+            return k
+    return 0
 
 
 def trim(proposal: Proposal, n: int) -> Proposal:
