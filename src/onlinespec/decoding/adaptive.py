@@ -30,6 +30,10 @@ from onlinespec.decoding.calibrate import CONTEXTS, CostCurve
 from onlinespec.decoding.proposers.base import Proposal
 
 BINS = 10
+# Speculating must beat plain decoding by this share of the predicted rate: the curve prices the
+# forward and the draft, not the verification and bookkeeping each proposal adds (a few percent of
+# a step, docs/engine-batched.md), so a predicted tie is a loss.
+MIN_GAIN = 0.05
 ANY = "*"  # statistics of a draft's proposals whatever drafter made them (planning before drafting)
 
 
@@ -139,6 +143,8 @@ def plan_step(rows: list[PlanRow], context: int = CONTEXTS[0]) -> tuple[int, lis
                 expected_tokens(e, min(len(r.proposal), w - r.uncached)) if r.flexible else 1.0 for r, e in zip(rows, estimates)
             )
             rate = expected / planner.cost(w, len(rows), context)
+            if w == 1:
+                rate *= 1 + MIN_GAIN
             if rate > best_rate + 1e-12:
                 width, best_rate = w, rate
     return width, [len(r.proposal) if not r.flexible else max(0, min(len(r.proposal), width - r.uncached)) for r in rows]
@@ -152,7 +158,7 @@ def proposal_budget(
 
     Judged from past statistics alone: the best number of proposals per request at its draft's
     measured per-step acceptance, against the cost of that wider forward at this batch size and
-    of the draft steps. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
+    of the draft steps, by at least ``MIN_GAIN``. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
     sees the drafts' confidences, picks how many to verify (its choices are what keeps the later
     steps' statistics measured).
     """
@@ -161,7 +167,7 @@ def proposal_budget(
         return k
     batch = len(adaptives)
     estimates = [a.step_estimates(k) if a is not None else [1.0] * k for a in adaptives]
-    plain = batch / planner.cost(1, batch, context)
+    plain = (1 + MIN_GAIN) * batch / planner.cost(1, batch, context)
     for n in range(1, k + 1):
         if sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds) > plain:
             return k
