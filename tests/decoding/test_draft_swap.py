@@ -1,6 +1,7 @@
 """A new draft can be handed to a serving proposer at any moment without changing the output."""
 
 import threading
+import time
 
 import pytest
 
@@ -35,12 +36,15 @@ def test_swaps_from_another_thread_never_break_a_request(tiny_target, tiny_draft
     proposer = DraftModelProposer(tiny_draft)
     decoder = SpeculativeDecoder(tiny_target, None, proposer, k=2)
     stop = threading.Event()
+    versions_served = set()
 
     def swapper():
         i = 0
         while not stop.is_set():
             i += 1
             proposer.swap_model(tiny_target if i % 2 else tiny_draft, f"v{i}")
+            versions_served.add(proposer.version)
+            time.sleep(1e-4)  # thousands of swaps a second, without starving the serving thread of the GIL
 
     thread = threading.Thread(target=swapper)
     thread.start()
@@ -51,3 +55,4 @@ def test_swaps_from_another_thread_never_break_a_request(tiny_target, tiny_draft
         thread.join()
     expected = autoregressive_decoder(tiny_target).generate([3, 4, 5], PARAMS).token_ids
     assert all(o == expected for o in outputs)
+    assert len(versions_served) > 3  # the engine really took swaps while it served
