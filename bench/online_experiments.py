@@ -1,4 +1,4 @@
-"""The online experiments of PAPER.md section 5 on our data (issue 4): Figures 3 and 4, static
+"""The online experiments of arXiv 2310.07177, section 5 on our data: Figures 3 and 4, static
 references, forgetting, and end-to-end tokens/s of online draft vs static draft vs target alone.
 
 The starting draft is the chat-only feature head of Table 1 (bench/table1.py builds it), so code
@@ -259,7 +259,7 @@ def report(out: dict) -> None:
     DOCS.mkdir(exist_ok=True)
     replay, runs = out["replay"], out["runs"]
     refs = [name for name in replay]
-    lines = ["# Online speculative decoding on shifting traffic (PAPER.md section 5, Figures 3 and 4)", "",
+    lines = ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",
              f"Command: `python bench/online_experiments.py` ({out['settings']['date']}, 2 CPU cores, fp32 target "
              f"SmolLM2-135M-Instruct, {out['settings']['torch_threads']} serving threads). Greedy, k = {K} fixed, "
              f"{NEW_TOKENS} new tokens a request, prompts of at most {MAX_PROMPT_TOKENS} tokens from the online split.", "",

@@ -1,5 +1,5 @@
 """Does the online draft catch up with a draft distilled offline on 100% of a domain's data?
-(issue 4's second must-show; PAPER.md section 5, Figures 3 and 4, on the default draft).
+(arXiv 2310.07177, section 5, Figures 3 and 4, on the default draft).
 
 The stream: the first N requests of each domain of the experiments' abrupt stream (code ->
 math_ml -> chat, online split; ``bench/online_experiments.py``), served live by the default draft

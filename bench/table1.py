@@ -154,7 +154,7 @@ def findings(table: dict) -> list[str]:
         "- Mean change over the original, by signal: " + ", ".join(f"{s} {v:+.3f}" for s, v in by_source.items()) + ".",
         "- Mean change over the original, by loss: " + ", ".join(f"{l} {v:+.3f}" for l, v in by_loss.items()) + ".",
         "",
-        "Where we agree with the paper (PAPER.md section 2: teacher sampling gave the highest acceptance;",
+        "Where we agree with the paper (arXiv 2310.07177, section 4.1: teacher sampling gave the highest acceptance;",
         "reverse KL and JSD matched or trailed forward KL):",
         "- Teacher sampling is the best signal here too, in every domain, and forward KL is the best or",
         "  tied-best loss with it. RKL, JSD and TVD match or trail it.",

@@ -1,4 +1,4 @@
-"""The paper's cost model (PAPER.md section 1), checked against its own worked figures."""
+"""The paper's cost model (arXiv 2310.07177, background), checked against its own worked figures."""
 
 import pytest
 
@@ -13,7 +13,7 @@ def test_tokens_per_round_limits():
 
 @pytest.mark.parametrize("c, k", [(0.01, 7), (0.02, 6), (0.05, 4), (0.1, 3)])
 def test_best_k_matches_paper(c, k):
-    # PAPER.md: for alpha 0.6, best k = 7, 6, 4, 3 at c = 0.01, 0.02, 0.05, 0.1
+    # the paper's figures: for alpha 0.6, best k = 7, 6, 4, 3 at c = 0.01, 0.02, 0.05, 0.1
     assert cm.best_k(0.6, c, k_max=20) == k
 
 

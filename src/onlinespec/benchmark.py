@@ -338,25 +338,20 @@ def run_concurrency_bench(
                     "cost_curve_ms": {key: [1000 * s for s in v] for key, v in options["cost_curve"].to_dict().items()} if options.get("cost_curve") else None,
                     "concurrency": {}}
     for n, level in enumerate(levels):
-        figures = {}
+        figures, outputs = {}, {}
         order = ["target_alone", "speculative"][:: 1 if n % 2 == 0 else -1]  # alternate who runs first
         for method in order:
             steps: list = []
             start = time.perf_counter()
             outs = decoders[method].generate_many(prompts, params, max_batch=level, on_step=steps.append)
             wall = time.perf_counter() - start
-            if reference is None and method == "target_alone":
-                reference = [o.token_ids for o in outs]
-            figures[method] = _level_figures(outs, steps, wall)
-            figures[method]["outputs"] = [o.token_ids for o in outs]
+            figures[method], outputs[method] = _level_figures(outs, steps, wall), [o.token_ids for o in outs]
             if on_level:
                 on_level(level, method, figures[method])
-        if reference is None:  # the speculative run went first at the first level
-            reference = figures["target_alone"]["outputs"]
-        for method in order:
-            outs = figures[method].pop("outputs")
-            if config.temperature == 0:
-                figures[method].update(_identity(target, [o for o in outs], reference, queries, decoders["target_alone"], config.dtype))
+        reference = reference or outputs["target_alone"]  # the target alone at the first level
+        if config.temperature == 0:
+            for method in order:
+                figures[method].update(_identity(target, outputs[method], reference, queries, decoders["target_alone"], config.dtype))
         spec, alone = figures["speculative"], figures["target_alone"]
         figures["speedup_vs_target"] = spec["tokens_per_s"] / alone["tokens_per_s"]
         curve = options.get("cost_curve")
@@ -411,7 +406,7 @@ def _identity(target: LoadedModel, outs: list[list[int]], reference: list[list[i
 def predicted_speedup(curve, spec: dict, alone: dict, pad: bool = True) -> float:
     """The extended cost model's speedup for a run, from its measured alpha, proposal length,
     batch size and context: a decoding step emits ``B * E(alpha, k)`` tokens (the paper's i.i.d.
-    formula, PAPER.md section 1) and costs the measured curve's forward of ``B`` rows of width
+    formula, arXiv 2310.07177, background) and costs the measured curve's forward of ``B`` rows of width
     ``1 + k`` at that context, plus the draft's measured time per step; the target alone emits
     ``B`` tokens per width-1 forward. Prompt prefill is not what the model is about: both runs
     prefill the same prompts, and each run's measured prefill seconds are added to its time."""

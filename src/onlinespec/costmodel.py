@@ -1,4 +1,4 @@
-"""The paper's cost model of speculative decoding (PAPER.md section 1), and its inverse.
+"""The paper's cost model of speculative decoding (arXiv 2310.07177, background), and its inverse.
 
 Symbols, as in the paper:
 - ``alpha``: probability that the target accepts a proposal (i.i.d. approximation);

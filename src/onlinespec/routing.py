@@ -1,4 +1,4 @@
-"""Which draft serves a request (PAPER.md section 4.3, DESIGN.md: request -> router -> draft id).
+"""Which draft serves a request (Liu et al., arXiv 2310.07177, section 4.3).
 
 Queries of one domain share a distribution, so one draft per domain beats one universal draft:
 it learns the domain's traffic without unlearning the others'. The paper routed on language

@@ -22,7 +22,7 @@ def test_forward_and_reverse_kl_match_hand_computation():
 
 
 def test_tvd_is_one_minus_acceptance():
-    # TV(p, q) = 1 - sum min(p, q) = 1 - alpha (PAPER.md section 1)
+    # TV(p, q) = 1 - sum min(p, q) = 1 - alpha (arXiv 2310.07177, background)
     tvd = distill_loss("tvd", LOGIT_Q, LOGIT_P).item()
     assert tvd == pytest.approx(0.5 * (P - Q).abs().sum().item(), rel=1e-5)
     assert tvd == pytest.approx(1 - torch.minimum(P, Q).sum().item(), rel=1e-5)

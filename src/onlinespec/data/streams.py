@@ -1,4 +1,4 @@
-"""Deterministic splits and query streams (PAPER.md section 5: online, shifts, mixes).
+"""Deterministic splits and query streams (arXiv 2310.07177, section 5: online, shifts, mixes).
 
 Splits are decided by a hash of each query's id, so a query keeps its split when pools grow or
 shrink, and the warm-up, online and held-out splits never overlap.

@@ -96,12 +96,6 @@ class BatchKVCache:
         """Columns per row, holes included (what attention runs over)."""
         return self.valid.shape[1]
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def index(self, row: object) -> int:
-        return self.rows.index(row)
-
     # ---- one step ----------------------------------------------------------------------------
 
     def inputs(self, blocks: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -83,7 +83,6 @@ class SpeculativeEngine:
         self.prefill_chunk = prefill_chunk
         self.batch = BatchKVCache(target.config)
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
-        self.last_step: StepReport | None = None
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -96,13 +95,15 @@ class SpeculativeEngine:
             if hasattr(proposer, "take_swap"):
                 proposer.take_swap()
         decoding: list[RequestState] = list(self.batch.rows)
-        joining, prefill_seconds, prefill_tokens = self._prefill([r for r in active if not r.in_batch and not r.finished], bool(decoding))
+        running = {id(r) for r in decoding}
+        waiting = [r for r in active if not r.finished and id(r) not in running]
+        joining, prefill_seconds, prefill_tokens = self._prefill(waiting, bool(decoding))
         for r in active:
             r.new_tokens = []
 
         rows = joining + decoding
         tick = time.perf_counter()
-        proposals = self._draft(rows, joining, decoding)
+        proposals = self._draft(rows, len(joining))
         draft_seconds = time.perf_counter() - tick
 
         # the batched forward over the running requests
@@ -140,17 +141,11 @@ class SpeculativeEngine:
             truncate_cache(r.prefill_cache, len(r.prompt_ids) + n_accepted)
             if not r.finished:
                 self.batch.add(r, r.prefill_cache)
-                r.in_batch = True
             r.prefill_cache = None
 
         self.batch.remove([r for r in self.batch.rows if r.finished])
-        now = time.perf_counter()
-        for r in active:
-            if r.finished:
-                r.in_batch = False
-        self.last_step = StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
-                                    draft_seconds, target_seconds, prefill_seconds, now - start)
-        return self.last_step
+        return StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
+                          draft_seconds, target_seconds, prefill_seconds, time.perf_counter() - start)
 
     # ---- the parts of a step ----------------------------------------------------------------
 
@@ -177,16 +172,18 @@ class SpeculativeEngine:
                 budget = 0
         return joining, seconds, tokens
 
-    def _draft(self, rows: list[RequestState], joining: list[RequestState], decoding: list[RequestState]) -> list[Proposal]:
-        """Each proposer drafts for all its requests in one call."""
+    def _draft(self, rows: list[RequestState], n_joining: int) -> list[Proposal]:
+        """Each proposer drafts for all its requests in one call (``rows``: the joining requests,
+        then the running ones, whose proposal length the batch's budget caps)."""
         proposals = [Proposal() for _ in rows]
+        decoding = rows[n_joining:]
         budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.batch.width,
                                  self._draft_cost(decoding)) if decoding else self.k
         groups: dict[int, list[int]] = {}
         asks: list[int] = []
         for i, r in enumerate(rows):
             k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
-            if r.adaptive is not None and not r.fixed_k and r in decoding:
+            if r.adaptive is not None and not r.fixed_k and i >= n_joining:
                 k = min(k, budget)
             asks.append(k)
             if k > 0:

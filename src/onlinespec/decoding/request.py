@@ -173,7 +173,6 @@ class RequestState:
     draft_state: Any = None  # the proposer's state for this request (Proposer.start)
     prefilled: int = 0  # prompt tokens already in the target cache (chunked prefill)
     prefill_cache: DynamicCache | None = None  # the request's own cache until it joins the batch
-    in_batch: bool = False  # its keys and values are a row of the engine's batch cache
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
 

@@ -72,11 +72,12 @@ class SpeculativeDecoder:
 
     def request(self, prompt: Prompt, params: SamplingParams = SamplingParams(), trace: bool = False,
                 proposer: Proposer | None = None, adaptive_k: AdaptiveK | None = None) -> RequestState:
-        """A new request's state (not started): the decoder's draft unless ``proposer`` is given."""
-        proposer = proposer or self.proposer
+        """A new request's state (not started): the decoder's draft and its statistics, unless
+        ``proposer`` (with its own ``adaptive_k``) is given."""
+        if proposer is None:
+            proposer, adaptive_k = self.proposer, self.adaptive_k
         return RequestState(self.encode(prompt), params, StopChecker(params, self.eos_token_ids, self.tokenizer),
-                            proposer=proposer, adaptive=adaptive_k if proposer is not self.proposer else self.adaptive_k,
-                            trace=[] if trace else None)
+                            proposer=proposer, adaptive=adaptive_k, trace=[] if trace else None)
 
     def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), trace: bool = False) -> Generation:
         """Decode one request to the end. ``prompt``: text, chat messages, or token ids."""

@@ -1,4 +1,4 @@
-"""The acceptance math of speculative decoding (PAPER.md section 1). Pure tensor code: no models, no I/O.
+"""The acceptance math of speculative decoding (arXiv 2310.07177, background). Pure tensor code: no models, no I/O.
 
 A round proposes ``k`` tokens ``x_1..x_k``; the target scores them in one forward pass, giving
 ``k + 1`` distributions: ``p_i`` at the position of ``x_i`` and ``p_{k+1}`` after ``x_k``.

@@ -1,4 +1,4 @@
-"""Distillation losses as pure functions (PAPER.md section 2): FKL, RKL, generalized JSD, TVD.
+"""Distillation losses as pure functions (arXiv 2310.07177, section 4.1): FKL, RKL, generalized JSD, TVD.
 
 Every loss compares the teacher (target) distribution ``p`` with the student (draft)
 distribution ``q_theta`` position by position, and averages over the positions a mask keeps.

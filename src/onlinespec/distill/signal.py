@@ -1,6 +1,6 @@
 """Training signal for drafts: sequences with the target's features and distributions at every position.
 
-Four sources (PAPER.md section 2; no gradient ever flows through the sampling):
+Four sources (arXiv 2310.07177, section 4.1; no gradient ever flows through the sampling):
 
 - ``teacher``: the target's own continuations (greedy, or sampled at ``temperature``). This is
   exactly what the draft will be asked to predict when serving.

@@ -1,4 +1,4 @@
-"""The online learner (PAPER.md section 3): every I requests, distil a private copy of the serving
+"""The online learner (arXiv 2310.07177, section 4.2): every I requests, distil a private copy of the serving
 draft on the replay buffer in the background, gate it on held-out recent records of every domain, publish it to
 the registry and hand it to the proposer, which takes it between two rounds.
 

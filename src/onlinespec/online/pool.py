@@ -1,4 +1,4 @@
-"""The drafts a stream is served with (PAPER.md section 4.3): one per name the router gives, each
+"""The drafts a stream is served with (arXiv 2310.07177, section 4.3): one per name the router gives, each
 with its own proposer, decoder (its own adaptive-k statistics), replay buffer, registry and
 learner, all under one output folder::
 

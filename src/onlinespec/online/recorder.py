@@ -21,7 +21,7 @@ positions, so when the trace carries the target's features the record keeps EVER
 (with the feature at ``t - 1`` of each and a flag for the rejection rows); the position policy
 is then applied by the learner when it picks the chains' starting points.
 
-Sampling source (PAPER.md section 2, honoured online, unlike the prototype):
+Sampling source (arXiv 2310.07177, section 4.1, honoured online, unlike the prototype):
 - ``"teacher"``: rows whose context is the served text, which the target wrote (above).
 - ``"student"``: rows whose context is the DRAFT's text. A round's verification also scored the
   proposals after its first rejection: row ``j > n_accepted`` is the target's distribution given

@@ -1,5 +1,5 @@
 """Run a query stream through the online system: serve each request with speculative decoding,
-record its trace, and let the learner update the draft in the background (PAPER.md section 3).
+record its trace, and let the learner update the draft in the background (arXiv 2310.07177, section 4.2).
 Each request goes to the draft its router names (:mod:`onlinespec.routing`): by default one draft
 per domain, each learning only its own traffic (:mod:`onlinespec.online.pool`).
 

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from onlinespec.decoding.proposers.base import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
 from onlinespec.decoding.proposers.ngram import lookup
 
 
-class HybridProposer:
+class HybridProposer(SwappableDraft):
     def __init__(self, learned, max_ngram: int = 3, min_ngram: int = 2) -> None:
         """``min_ngram``: the shortest suffix match that wins over the learned draft."""
         self.learned = learned
@@ -26,28 +26,13 @@ class HybridProposer:
         self.name = f"hybrid(ngram:{max_ngram}+{learned.name})"
         self.uses_features = getattr(learned, "uses_features", False)
 
-    # the learned draft is what the online learner trains and swaps
     @property
-    def slot(self):
+    def slot(self) -> ModelSlot:
+        """The learned draft's: it is what the online learner trains and swaps."""
         return self.learned.slot
-
-    @property
-    def model(self):
-        return self.learned.model
-
-    @property
-    def version(self) -> str:
-        return self.learned.version
-
-    @version.setter
-    def version(self, value: str) -> None:
-        self.learned.version = value
 
     def swap_model(self, model, version: str) -> None:
         self.learned.swap_model(model, version)
-
-    def take_swap(self) -> bool:
-        return self.learned.take_swap()
 
     def start(self, prompt_ids: list[int]):
         return self.learned.start(prompt_ids)
