@@ -129,19 +129,21 @@ LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, 
 def online_run(name: str, queries: list, original: Path, compare_every: int) -> dict:
     """Serve ``queries`` with the online system (the learner in the background, at low priority)."""
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.online.stream import OnlineConfig
+    from onlinespec.serve.core import CoreConfig
+    from onlinespec.stream import OnlineConfig
 
-    config = OnlineConfig(
-        draft=f"head:{original}", k=K, max_new_tokens=NEW_TOKENS, adaptive_k=False, compare_every=compare_every,
-        buffer_policy="window", buffer_records=2000, learner=LearnerConfig(**LEARNER),
+    core = CoreConfig(
+        draft=f"head:{original}", k=K, adaptive_k=False, buffer_policy="window", buffer_records=2000,
+        learner=LearnerConfig(**LEARNER),
         router="single",  # the paper's Figures 3 and 4: one draft follows the stream across its shifts
     )
+    config = OnlineConfig(core, max_new_tokens=NEW_TOKENS, compare_every=compare_every)
     return serve_cached(WORK / name, name, queries, config)
 
 
 def serve_cached(folder: Path, name: str, queries: list, config) -> dict:
     """Run the stream into ``folder`` (``result.json``, cached; the run in ``folder/run``), with progress."""
-    from onlinespec.online.stream import run_stream
+    from onlinespec.stream import run_stream
 
     path = folder / "result.json"
     if path.exists():
@@ -236,7 +238,7 @@ def main() -> None:
 
 def moving_average(pairs: list) -> list[float]:
     """Per request, the mean per-request alpha over the last 50 requests (as the paper plots it)."""
-    from onlinespec.online.stream import moving_average as average
+    from onlinespec.stream import moving_average as average
 
     return average([a / j if j else 0.0 for a, j in pairs])
 
@@ -346,8 +348,9 @@ def report(out: dict) -> None:
     comparison = runs["abrupt"]["comparison"]
     tps, ratio, onoff = comparison["tokens_per_s"], comparison["median_ratio"], comparison["learning_on_vs_off"]
     lines += ["", "## End-to-end tokens/s (abrupt stream, one run)", "",
-              f"Every 10th request ({comparison['n_requests']}) was served by the online system, then by the static "
-              "starting draft and by the target alone, in the same process (order alternating). Greedy outputs "
+              f"Every 10th request ({comparison['n_requests']}) was served by the online system and by the static "
+              "starting draft (order alternating), and after the stream, learning paused, by the static draft and the "
+              "target alone again, by the same serving core. Greedy outputs "
               f"identical on {comparison['identical']}/{comparison['n_requests']}.", "",
               "| | online | static draft | target alone |", "|---|---|---|---|",
               f"| tokens/s (pooled) | {tps['online']:.1f} | {tps['static']:.1f} | {tps['target_alone']:.1f} |",
@@ -356,10 +359,9 @@ def report(out: dict) -> None:
               f"{runs['abrupt']['summary']['n_requests']} requests the online system served "
               f"{runs['abrupt']['summary']['tokens_per_s']:.1f} tok/s.", "",
               "**Cost of the background learner on serving** (the same probe requests served again by the static draft "
-              "and the target alone once the learner had stopped; fixed work, so only the learner differs): "
+              "once learning was paused; fixed work, so only the learner differs): "
               f"static draft {onoff['static']:.1%} of its learning-off throughput (median per request "
-              f"{onoff['static_median_ratio']:.1%}), target alone {onoff['target_alone']:.1%} (median "
-              f"{onoff['target_alone_median_ratio']:.1%}); {onoff['requests_with_learner_busy']} of {comparison['n_requests']} "
+              f"{onoff['static_median_ratio']:.1%}); {onoff['requests_with_learner_busy']} of {comparison['n_requests']} "
               "probe requests ran while an update was in flight.", ""]
     probes = [r for r in runs["abrupt"]["requests"] if "static" in r]
     live = sum(r["static"]["accepted"] for r in probes) / max(1, sum(r["static"]["judged"] for r in probes))

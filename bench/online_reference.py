@@ -78,9 +78,10 @@ def reference(target, signal, name: str) -> Path:
 def live_run(queries: list, name: str, learner: dict) -> dict:
     """Serve the stream with the online system (cached in WORK/live-NAME/result.json)."""
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.online.stream import OnlineConfig
+    from onlinespec.serve.core import CoreConfig
+    from onlinespec.stream import OnlineConfig
 
-    config = OnlineConfig(k=K, max_new_tokens=NEW_TOKENS, adaptive_k=False, learner=LearnerConfig(**learner))
+    config = OnlineConfig(CoreConfig(k=K, adaptive_k=False, learner=LearnerConfig(**learner)), max_new_tokens=NEW_TOKENS)
     return serve_cached(WORK / f"live-{name}", "live", queries, config)
 
 

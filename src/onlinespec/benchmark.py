@@ -25,7 +25,7 @@ from onlinespec.data import Query
 from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation, SpeculativeDecoder
-from onlinespec.metrics import percentile
+from onlinespec.metrics import median_ratio, percentile
 from onlinespec.models import LoadedModel, load_model
 
 METHODS = ("target_alone", "speculative", "hf_assisted")
@@ -265,7 +265,7 @@ def _step_acceptance(stats: list) -> list[float]:
 
 def _median_ratio(results: list[PromptResult], a: str, b: str) -> float:
     rate = lambda r, m: r.new_tokens[m] / r.seconds[m]  # noqa: E731
-    return statistics.median(rate(r, a) / rate(r, b) for r in results)
+    return median_ratio([(rate(r, a), rate(r, b)) for r in results])
 
 
 def _cost_estimate(runs: dict[str, list], k: int):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import secrets
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,8 +22,8 @@ from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
 from onlinespec.benchmark import BenchConfig
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.online.stream import OnlineConfig
-from onlinespec.routing import MAX_DRAFTS
+from onlinespec.serve.app import ServerSettings
+from onlinespec.serve.core import CoreConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
@@ -192,6 +196,102 @@ def distill(
     console.print(json.dumps(result["heldout"], indent=1))
 
 
+# The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
+CORE_OPTIONS: dict[str, tuple] = {
+    "target": (TargetOpt, CoreConfig.target),
+    "draft": (DraftOpt, CoreConfig.draft),
+    "k": (KOpt, CoreConfig.k),
+    "dtype": (DtypeOpt, CoreConfig.dtype),
+    "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
+    "update_interval": (Annotated[int, typer.Option(min=1, help="I: update a draft every I units")], LearnerConfig.update_interval),
+    "interval_unit": (Annotated[str, typer.Option(help="requests, records or tokens")], LearnerConfig.interval_unit),
+    "loss": (Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")], DistillConfig.loss),
+    "beta": (Annotated[float, typer.Option(help="JSD mixing weight")], DistillConfig.beta),
+    "source": (Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")], LearnerConfig.source),
+    "positions": (Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")], LearnerConfig.position_policy),
+    "buffer_policy": (Annotated[str, typer.Option(help="clear, window, reservoir or priority")], CoreConfig.buffer_policy),
+    "buffer_records": (Annotated[int, typer.Option(min=1, help="the most records a draft's replay buffer keeps")], CoreConfig.buffer_records),
+    "steps_per_update": (Annotated[int, typer.Option(min=1)], LearnerConfig.steps_per_update),
+    "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
+    "lr": (float, LearnerConfig.lr),
+    "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
+    "priority": (Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")], LearnerConfig.priority),
+    "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
+    "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
+    "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")], CoreConfig.router),
+    "max_drafts": (Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")], CoreConfig.max_drafts),
+    "adaptive_k": (Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-step k from the cost model, or always k")], CoreConfig.adaptive_k),
+    "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
+    "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
+    "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
+    "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
+    "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
+}
+
+
+def _core_config(o: dict) -> CoreConfig:
+    learner = LearnerConfig(
+        update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], source=o["source"],
+        distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"], batch_size=o["batch_size"],
+        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
+    )
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "buffer_policy", "buffer_records", "router",
+                                         "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
+                                         "default_max_tokens")}
+    return CoreConfig(**plain, learner=learner)
+
+
+def with_core_options(command):
+    """Give ``command`` the serving core's options (CORE_OPTIONS) and call it with them as one
+    ``core: CoreConfig`` argument: one list of options for every command that serves."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "core"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+              for name, (annotation, default) in CORE_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        options = {name: kwargs.pop(name) for name in CORE_OPTIONS}
+        return command(**kwargs, core=_user_errors(lambda: _core_config(options)))
+
+    wrapper.__signature__ = signature.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared)
+    return wrapper
+
+
+@app.command()
+@with_core_options
+def serve(
+    out_dir: Annotated[Path, typer.Option(help="buffers, draft registries and the event log (a restart serves the last published versions)")] = Path("runs/serve"),
+    host: Annotated[str, typer.Option(help="address to listen on (127.0.0.1: this machine only)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="require 'Authorization: Bearer KEY' on /v1 routes", envvar="ONLINESPEC_API_KEY")] = None,
+    admin_key: Annotated[Optional[str], typer.Option(help="enable the admin API, behind 'Authorization: Bearer KEY'", envvar="ONLINESPEC_ADMIN_KEY")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: the target spec's name)")] = None,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
+    drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
+    static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
+    log_text: Annotated[bool, typer.Option(help="request log lines carry prompt and output text (off: never)")] = False,
+    core: CoreConfig = None,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions) with speculative decoding
+    while the drafts learn from the traffic; /metrics for Prometheus, /admin behind --admin-key."""
+    from dataclasses import replace
+
+    from onlinespec.serve.server import serve as run_server
+
+    core = replace(core, static_baseline=static_baseline, log_text=log_text)
+    name = served_model_name or model_name(core.target)
+    settings = ServerSettings(model_name=name, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
+                              drain_seconds=drain_seconds)
+    console.print(f"onlinespec: serving {name!r} (draft {core.draft}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
+    run_server(core, out_dir, host, port, settings)
+
+
+def model_name(target: str) -> str:
+    """The name a server answers to by default: 'default' for the packaged target, else the folder or file name."""
+    return "default" if target == "default" else Path(target).stem or target
+
+
 DEMO_DOMAINS, DEMO_BLOCKS = "math_ml,code,chat", "200,20,20"
 
 
@@ -201,16 +301,22 @@ def demo(
     domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages, which the default draft never saw")] = DEMO_DOMAINS,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     update_interval: Annotated[int, typer.Option(min=1, help="I: update each draft every I of its requests")] = 10,
-    compare_every: Annotated[int, typer.Option(min=1, help="serve every N-th request also with the static draft and the target alone")] = 2,
-    out_dir: Annotated[Path, typer.Option(help="stream, buffers, draft registries, event log, results and report")] = Path("runs/demo"),
+    compare_every: Annotated[int, typer.Option(min=1, help="serve every N-th request also with the static draft (and, after, the target alone)")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="requests in flight")] = 4,
+    target: TargetOpt = CoreConfig.target,
+    out_dir: Annotated[Path, typer.Option(help="stream, server output (buffers, registries, event log), results and report")] = Path("runs/demo"),
 ) -> None:
-    """The main job on the embedded default: a real query stream with domain shifts, served by
-    the default draft (n-gram lookup + the packaged feature head, adaptive k), one copy per domain,
-    each learning its domain's traffic online; every other request is also served by the same draft
-    kept static and by the target alone, and the report compares the three."""
+    """The main job on the embedded default: start `onlinespec serve` on 127.0.0.1 and send it a
+    real query stream with domain shifts through the `openai` client, several requests in flight.
+    The server serves the default draft (n-gram lookup + the packaged feature head, adaptive k),
+    one copy per domain, each learning its domain's traffic online; every other request is also
+    served by the same draft kept static, and, after the stream, by the target alone; the report
+    compares the three."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.streams import abrupt_shifts, split
+    from onlinespec.serve.server import ServerProcess
+    from onlinespec.stream import HTTPClient, OnlineConfig, drive
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
     blocks = _user_errors(lambda: _blocks(per_domain, names))
@@ -221,10 +327,17 @@ def demo(
         shutil.rmtree(out_dir / "run")
         console.print(f"removed the previous demo run in {out_dir / 'run'}: the demo starts from the packaged draft")
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
-    learner = LearnerConfig(update_interval=update_interval)
-    config = OnlineConfig(max_new_tokens=max_new_tokens, compare_every=compare_every, check_learning_off=False, learner=learner)
-    _serve_online(queries, config, out_dir / "run", out_dir / "online.json",
-                  f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain")
+    admin_key = secrets.token_hex(16)
+    args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
+            "--admin-key", admin_key, "--max-batch", str(max(concurrency, 1)), "--default-max-tokens", str(max_new_tokens)]
+    title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"
+    config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every)
+    (out_dir / "run").mkdir(parents=True)
+    console.print(f"starting `onlinespec serve {shlex.join(a if a != admin_key else '***' for a in args)}` (log: {out_dir / 'run' / 'server.log'})")
+    with ServerProcess(args, log=out_dir / "run" / "server.log") as server:
+        client = HTTPClient(server.url, model=model_name(target), admin_key=admin_key)
+        _serve_with_progress(queries, config, out_dir / "run", out_dir / "online.json", title,
+                             lambda on_request, say: drive(queries, client, config, on_request, say), learn=True)
 
 
 def _blocks(per_domain: str, names: list[str]) -> dict[str, int]:
@@ -241,78 +354,56 @@ def _blocks(per_domain: str, names: list[str]) -> dict[str, int]:
 
 
 @app.command()
+@with_core_options
 def online(
     stream: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL query stream (see `onlinespec data stream`)")],
     json_out: Annotated[Path, typer.Option("--json", help="per-request rows and the summary")],
     out_dir: Annotated[Path, typer.Option(help="buffer, draft registry, event log and report (a restart resumes from them)")] = Path("runs/online"),
-    target: TargetOpt = "default",
-    draft: DraftOpt = DEFAULT_DRAFT,
-    k: KOpt = DEFAULT_K,
-    dtype: DtypeOpt = "float32",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
-    learn: Annotated[bool, typer.Option("--learn/--static", help="update the draft online, or keep it static")] = True,
-    update_interval: Annotated[int, typer.Option(min=1, help="I: update the draft every I units")] = LearnerConfig.update_interval,
-    interval_unit: Annotated[str, typer.Option(help="requests, records or tokens")] = LearnerConfig.interval_unit,
-    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = DistillConfig.loss,
-    beta: Annotated[float, typer.Option(help="JSD mixing weight")] = DistillConfig.beta,
-    source: Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")] = LearnerConfig.source,
-    positions: Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")] = LearnerConfig.position_policy,
-    buffer_policy: Annotated[str, typer.Option(help="clear, window, reservoir or priority")] = OnlineConfig.buffer_policy,
-    steps_per_update: Annotated[int, typer.Option(min=1)] = LearnerConfig.steps_per_update,
-    batch_size: Annotated[int, typer.Option(min=1, help="examples per learner step")] = LearnerConfig.batch_size,
-    lr: float = LearnerConfig.lr,
-    learner_threads: Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")] = LearnerConfig.threads,
-    priority: Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")] = LearnerConfig.priority,
-    cpu_share: Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")] = LearnerConfig.cpu_share,
-    gate_by: Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")] = LearnerConfig.gate_by,
-    router: Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")] = "domain",
-    max_drafts: Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")] = MAX_DRAFTS,
-    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-round k from the cost model, or always k")] = True,
-    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")] = True,
-    compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft and the target alone (0: never)")] = 0,
+    concurrency: Annotated[int, typer.Option(min=1, help="requests in flight")] = 1,
+    compare_every: Annotated[int, typer.Option(min=0, help="also serve every N-th request with the static draft, and after the stream with the target alone (0: never)")] = 0,
+    core: CoreConfig = None,
 ) -> None:
-    """Serve a query stream with speculative decoding while the draft learns from it."""
+    """Serve a query stream through the serving core in this process while the drafts learn from it."""
     from onlinespec.data import read_queries_jsonl
+    from onlinespec.stream import OnlineConfig, run_stream
 
     queries = _user_errors(lambda: read_queries_jsonl(stream))
     if not queries:
         console.print(f"[red]error:[/red] {stream} holds no queries: write one JSON object per line (see `onlinespec data stream`)")
         raise typer.Exit(2)
-    learner = _user_errors(lambda: LearnerConfig(
-        update_interval=update_interval, interval_unit=interval_unit, position_policy=positions, source=source,
-        distill=DistillConfig(loss=loss, beta=beta), steps_per_update=steps_per_update, batch_size=batch_size, lr=lr,
-        threads=learner_threads, priority=priority, cpu_share=cpu_share, gate_by=gate_by,
-    ))
-    config = _user_errors(lambda: OnlineConfig(target, draft, k, dtype, max_new_tokens, learn, buffer_policy, learner=learner,
-                                               adaptive_k=adaptive_k, kernels=kernels, compare_every=compare_every,
-                                               router=router, max_drafts=max_drafts))
-    label = "online" if learn else "static"
-    _serve_online(queries, config, out_dir, json_out, f"{label} draft {draft}, k = {k}")
+    config = _user_errors(lambda: OnlineConfig(core, max_new_tokens, concurrency, compare_every))
+    label = "online" if core.learn else "static"
+    _serve_with_progress(queries, config, out_dir, json_out, f"{label} draft {core.draft}, k = {core.k}, {concurrency} in flight",
+                         lambda on_request, say: run_stream(queries, config, out_dir, on_request, say), learn=core.learn)
 
 
-def _serve_online(queries, config, out_dir: Path, json_out: Path, title: str) -> dict:
-    """Serve ``queries`` with live progress, then write the results JSON and the report."""
+def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: str, run, learn: bool) -> dict:
+    """``run(on_request, on_status)`` with live progress, then write the results JSON and the report."""
     from onlinespec.online.report import write_report
-    from onlinespec.online.stream import run_stream
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
+    started = time.perf_counter()
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("online" if config.learn else "static", total=len(queries), info="")
+        task = progress.add_task("online" if learn else "static", total=len(queries), info="")
+        served = {"tokens": 0}
 
         def on_request(row):
-            info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {row['tokens_per_s']:.1f} tok/s  "
+            served["tokens"] += row["new_tokens"]
+            rate = served["tokens"] / (time.perf_counter() - started)
+            info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {rate:.1f} tok/s served  "
                     f"draft {row['draft']} {row['draft_version']}  {row['domain']}")
             if "static" in row:
-                info += f"  | static {row['static']['tokens_per_s']:.1f}, target alone {row['target_alone']['tokens_per_s']:.1f} tok/s"
+                info += f"  | this request {row['tokens_per_s']:.1f} tok/s, static {row['static']['tokens_per_s']:.1f}"
             progress.update(task, advance=1, info=info)
 
-        result = _user_errors(lambda: run_stream(queries, config, out_dir, on_request, lambda text: progress.update(task, info=text)))
+        result = _user_errors(lambda: run(on_request, lambda text: progress.update(task, info=text)))
     result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
-    report = write_report({"online" if config.learn else "static": result}, out_dir, title, result["command"])
+    report = write_report({"online" if learn else "static": result}, out_dir, title, result["command"])
     summary = result["summary"]
-    out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s, alpha first 50 "
+    out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s per request, alpha first 50 "
               f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
               f"{len(result['updates'])} updates. Report: {report}")
     if "comparison" in result:

@@ -11,7 +11,8 @@ stream file or an API caller states it) to a draft name:
   stream with thousands of domain labels cannot exhaust memory.
 
 Draft names are folder names on disk (registry and buffer), so a domain label is kept to a safe
-set of characters.
+set of characters; ``static`` and ``none`` name the server's baselines (the starting draft kept
+static, the target alone), so domains of those names get a trailing ``_``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 from collections.abc import Iterable
 
 SHARED = "shared"
+RESERVED = ("static", "none")  # the server's baseline drafts
 ROUTERS = ("single", "domain")
 MAX_DRAFTS = 8  # default: domains beyond this many share one draft
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -27,8 +29,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 def draft_name(domain: str) -> str:
     """A domain label as a draft (folder) name: unsafe characters become '_'; never empty or hidden."""
-    name = _UNSAFE.sub("_", domain.strip()).strip("._") or SHARED
-    return name[:64]
+    name = (_UNSAFE.sub("_", domain.strip()).strip("._") or SHARED)[:63]
+    return f"{name}_" if name in RESERVED else name
 
 
 class Router:

@@ -17,16 +17,16 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_rest(tiny_llama, tmp_path):
     target = tiny_llama(seed=0, vocab_size=32, hidden_size=32)
-    new_decoder = lambda: SpeculativeDecoder(target, None, DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), k=3)  # noqa: E731
+    new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
     events = []
     config = LearnerConfig(update_interval=2, steps_per_update=5, batch_size=4, priority="normal", position_policy="verified")
-    pool = DraftPool(new_decoder, tmp_path, Router("domain"), config,
+    pool = DraftPool(new_draft, tmp_path, Router("domain"), config,
                      on_event=lambda e: events.append((e["event"], e["draft"])) if e["event"].startswith("update") else None)
     gen = torch.Generator().manual_seed(0)
 
     def serve(domain: str) -> None:
         draft = pool.route(domain)
-        out = draft.decoder.generate(torch.randint(0, 32, (6,), generator=gen).tolist(), PARAMS, trace=True)
+        out = SpeculativeDecoder(target, None, draft.proposer, k=3).generate(torch.randint(0, 32, (6,), generator=gen).tolist(), PARAMS, trace=True)
         pool.observe(draft, out, domain, f"{domain}-{len(events)}")
 
     release = threading.Event()

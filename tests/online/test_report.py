@@ -1,7 +1,7 @@
 """The online run's report: a table, and a plot that compares online and static on the same requests."""
 
 from onlinespec.online.report import write_report
-from onlinespec.online.stream import OnlineConfig, summarize
+from onlinespec.stream import OnlineConfig, summarize
 
 
 def _row(i: int, domain: str, alpha: float, probed: bool) -> dict:
@@ -10,7 +10,8 @@ def _row(i: int, domain: str, alpha: float, probed: bool) -> dict:
     row = {"i": i, "id": f"q{i}", "domain": domain, "draft": domain, "draft_version": "v0001", **stats,
            "alpha_moving_average": alpha, "learner_busy": False, "record_seconds": 0.002}
     if probed:
-        row.update(static=dict(stats, acceptance_rate=alpha - 0.05), target_alone=dict(stats, tokens_per_s=20.0), identical=True)
+        row.update(static=dict(stats, acceptance_rate=alpha - 0.05), target_alone=dict(stats, tokens_per_s=20.0),
+                   static_learning_off=dict(stats), identical=True)
     return row
 
 
@@ -20,4 +21,5 @@ def test_report_of_a_run_compared_on_every_other_request(tmp_path):
     path = write_report({"online": result}, tmp_path, "two domains", command="onlinespec online ...")
     text = path.read_text()
     assert "the same 20 requests, three ways" in text and "Greedy output identical on 20/20" in text
+    assert "relative to learning paused" in text
     assert (tmp_path / "alpha.png").stat().st_size > 10_000

@@ -84,6 +84,10 @@ class SpeculativeEngine:
         self.batch = BatchKVCache(target.config)
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
 
+    def reset(self) -> None:
+        """Drop every request's cache rows (after a step that failed half-way)."""
+        self.batch = BatchKVCache(self.target.config)
+
     # ---- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -76,6 +76,8 @@ class RequestStats:
     # how many of them the target accepted: step_accepted[j] / step_judged[j] is step j's acceptance
     step_judged: list[int] = field(default_factory=list)
     step_accepted: list[int] = field(default_factory=list)
+    # rounds that sent proposals, by how many the target accepted: accepted_histogram[n] rounds kept n
+    accepted_histogram: list[int] = field(default_factory=list)
 
     def add_round(self, proposed: int, accepted: int, timing: RoundTiming) -> None:
         """Count one verified round: ``proposed`` proposals sent, the first ``accepted`` kept."""
@@ -83,6 +85,9 @@ class RequestStats:
         self.proposed += proposed
         self.accepted += accepted
         self.rejected += accepted < proposed
+        if proposed:
+            self.accepted_histogram.extend([0] * (accepted + 1 - len(self.accepted_histogram)))
+            self.accepted_histogram[accepted] += 1
         for i in range(min(proposed, accepted + 1)):
             if i == len(self.step_judged):
                 self.step_judged.append(0)

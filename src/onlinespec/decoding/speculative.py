@@ -97,7 +97,7 @@ class SpeculativeDecoder:
                 continue  # a prompt chunk: nothing to show yet
             text = request.stop.text()
             if not request.finished:
-                text = _hold_back(text, params.stop_strings)
+                text = hold_back(text, params.stop_strings)
             yield StreamChunk(request.new_tokens, text[len(emitted):], request.stats if request.finished else None)
             emitted = max(emitted, text, key=len)
 
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         return encode_prompt(self.tokenizer if needs_tokenizer else None, prompt)
 
 
-def _hold_back(text: str, stop_strings: tuple[str, ...]) -> str:
+def hold_back(text: str, stop_strings: tuple[str, ...]) -> str:
     """Drop a trailing partial character, and any tail that might be the start of a stop string."""
     text = text.rstrip("\ufffd")
     for s in stop_strings:

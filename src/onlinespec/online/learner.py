@@ -85,6 +85,7 @@ class UpdateReport:
     examples: int = 0  # training examples the update drew from (records, or chain starts for a head)
     by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
     ended_at: float = 0.0  # wall-clock time
+    outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
 
 
 class OnlineLearner:
@@ -112,6 +113,8 @@ class OnlineLearner:
         self._lock = threading.Lock()  # guards the buffer between serving and learner threads
         self._cancel = threading.Event()
         self.steps_done = 0  # optimizer steps taken by all updates (cancelled ones included)
+        self.failures: list[str] = []  # updates that raised (the serving path never sees their errors)
+        self.pinned = False  # an operator pinned the serving version: updates still run, none publishes
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
         current = registry.current()
         if current is None:
@@ -158,7 +161,12 @@ class OnlineLearner:
 
     def maybe_update(self) -> bool:
         """Start the update that is due, if this learner and the shared slot are free (serving thread)."""
-        if self.due and self.start_update():
+        return self.due and self.update_now()
+
+    def update_now(self) -> bool:
+        """Start an update now, whatever the count (also an operator's request); the count
+        starts again. False if this learner or the shared slot is busy."""
+        if self.start_update():
             self._count, self.due_since = 0, None
             return True
         return False
@@ -184,11 +192,21 @@ class OnlineLearner:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Abandon the update in flight (it publishes nothing) and wait for its thread to end."""
         self._cancel.set()
-        self.wait()
-        self._cancel.clear()
+        self.wait(timeout)
+        if not self.busy:  # still running past the timeout (shutdown): it stays cancelled
+            self._cancel.clear()
+
+    def serve_version(self, version: str) -> None:
+        """Serve a published ``version`` from the next step on (a rollback, or pinning an older
+        one): the update in flight is abandoned, and the next update starts from ``version``."""
+        self.stop()
+        model = self._load_version(version)
+        self.registry.set_current(version)
+        self.proposer.swap_model(model, version)
+        self._latest, self._optimizer_state = (model, version), None
 
     # ---- the update (learner thread) ------------------------------------------------------------
 
@@ -238,6 +256,10 @@ class OnlineLearner:
         try:
             self._budget()
             self._run_update()
+        except Exception as err:  # an update that fails publishes nothing and never stops serving
+            self.failures.append(f"{type(err).__name__}: {err}")
+            if self.on_event:
+                self.on_event({"event": "update_failed", "error": self.failures[-1], "parent": self._latest[1], "time": time.time()})
         finally:
             if self.slot is not None:
                 self.slot.release()
@@ -285,7 +307,10 @@ class OnlineLearner:
         by_domain = {d: [before_by[d], evaluate_fn(candidate, rs)["alpha"]] for d, rs in groups.items()} if before_by else {}
         margin = self.config.gate_margin
         version = None
-        if after["alpha"] >= before["alpha"] - margin and all(a >= b - margin for b, a in by_domain.values()):
+        passed = after["alpha"] >= before["alpha"] - margin and all(a >= b - margin for b, a in by_domain.values())
+        if self._cancel.is_set():  # shutdown or a rollback while it ran: never publish
+            return
+        if passed and not self.pinned:
             meta = {
                 "parent": parent,
                 "records_seen": records_seen,
@@ -302,8 +327,9 @@ class OnlineLearner:
             self.proposer.swap_model(candidate, version)
             with self._lock:
                 self.buffer.after_update(records)
+        outcome = "published" if version else "pinned" if passed else "refused"
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              time.perf_counter() - start, len(examples), by_domain, time.time())
+                              time.perf_counter() - start, len(examples), by_domain, time.time(), outcome)
         self.reports.append(report)
         if self.on_event:
             self.on_event({"event": "update", **asdict(report), "time": time.time()})

@@ -9,6 +9,10 @@ A draft is created the first time the router names it, from the starting draft, 
 restart, from the last version its registry published. The learners share one update slot: one
 update runs at a time, with the whole learner CPU budget, and an update that falls due while
 another draft's runs starts as soon as the slot is free (checked after every request).
+
+Operators steer learning through the pool (the server's admin API): pause and resume it (served
+requests are still recorded), start an update now, roll a draft back, pin a version. Every
+method may be called from any thread.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from onlinespec.decoding.speculative import Generation, SpeculativeDecoder
+from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.proposers.base import Proposer
+from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
@@ -28,12 +34,13 @@ from onlinespec.routing import Router
 @dataclass
 class Draft:
     name: str
-    decoder: SpeculativeDecoder
+    proposer: Proposer | None  # None: the target alone
+    adaptive: AdaptiveK | None  # its own acceptance statistics (adaptive k)
     learner: OnlineLearner | None
 
     @property
     def version(self) -> str | None:
-        return getattr(self.decoder.proposer, "version", None)
+        return getattr(self.proposer, "version", None)
 
 
 def saved_drafts(out_dir: str | Path) -> list[str]:
@@ -47,7 +54,7 @@ def saved_drafts(out_dir: str | Path) -> list[str]:
 class DraftPool:
     def __init__(
         self,
-        new_decoder: Callable[[], SpeculativeDecoder],
+        new_draft: Callable[[], tuple[Proposer, AdaptiveK | None]],
         out_dir: str | Path,
         router: Router | None = None,
         learner: LearnerConfig | None = None,
@@ -55,52 +62,104 @@ class DraftPool:
         buffer_records: int = 2000,
         on_event: Callable[[dict], None] | None = None,
     ) -> None:
-        """``new_decoder()`` builds a decoder around a fresh starting draft; ``learner=None``
-        serves every draft static (no buffer, no registry)."""
+        """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
+        ``learner=None`` serves every draft static (no buffer, no registry)."""
         self.out_dir = Path(out_dir)
-        self.new_decoder, self.learner_config = new_decoder, learner
+        self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records = buffer_policy, buffer_records
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
         self.drafts: dict[str, Draft] = {}
         self._slot = threading.Semaphore(1)
+        self._lock = threading.RLock()
+        self.paused = False  # learning paused: requests are still recorded, no update starts
 
     def route(self, domain: str) -> Draft:
         """The draft that serves a request of ``domain`` (created on first use)."""
-        name = self.router(domain)
-        if name not in self.drafts:
-            self.drafts[name] = self._create(name)
-        return self.drafts[name]
+        with self._lock:
+            name = self.router(domain)
+            if name not in self.drafts:
+                self.drafts[name] = self._create(name)
+            return self.drafts[name]
 
     def _create(self, name: str) -> Draft:
-        decoder = self.new_decoder()
+        proposer, adaptive = self.new_draft()
         learner = None
         if self.learner_config is not None:
-            if not hasattr(decoder.proposer, "swap_model"):
-                raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {getattr(decoder.proposer, 'name', 'none')!r}")
+            if not hasattr(proposer, "swap_model"):
+                raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {getattr(proposer, 'name', 'none')!r}")
             buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records)
             registry = DraftRegistry(self.out_dir / "drafts" / name)
-            learner = OnlineLearner(decoder.proposer, buffer, registry, self.learner_config,
+            learner = OnlineLearner(proposer, buffer, registry, self.learner_config,
                                     on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
-            self.on_event({"event": "draft", "draft": name, "draft_version": decoder.proposer.version,
+            self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version,
                            "buffer_records": len(buffer)})
-        return Draft(name, decoder, learner)
+        return Draft(name, proposer, adaptive, learner)
 
     def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> None:
-        """Record a served request with its draft's learner; then, if the slot is free, start the
-        update that has waited longest for it (first due, first served: none waits for ever)."""
+        """Record a served request with its draft's learner (durable when this returns); then, if
+        the slot is free, start the update that has waited longest for it (first due, first
+        served: none waits for ever)."""
         if draft.learner is None:
             return
         draft.learner.observe(generation, domain, request_id, train, start=False)
-        self._start_next()
+        with self._lock:
+            self._start_next()
 
     def _start_next(self) -> bool:
         waiting = [learner for learner in self.learners if learner.due]
-        return bool(waiting) and min(waiting, key=lambda learner: learner.due_since).maybe_update()
+        return not self.paused and bool(waiting) and min(waiting, key=lambda learner: learner.due_since).maybe_update()
+
+    # ---- operators ------------------------------------------------------------------------
+
+    def learned(self, name: str) -> Draft:
+        """The learning draft called ``name``; a KeyError names the ones there are."""
+        draft = self.drafts.get(name)
+        if draft is None or draft.learner is None:
+            known = [n for n, d in self.drafts.items() if d.learner is not None]
+            raise KeyError(f"no learning draft {name!r}; drafts: {known or 'none yet (a draft is made by its first request)'}")
+        return draft
+
+    def pause(self, paused: bool = True) -> None:
+        """Pause (or resume) learning: updates due wait; resuming starts the longest-waiting one."""
+        with self._lock:
+            self.paused = paused
+            if not paused:
+                self._start_next()
+
+    def update_now(self, name: str) -> bool:
+        """Start ``name``'s update now, whatever its count; False if an update is running."""
+        learner = self.learned(name).learner
+        with self._lock:
+            if len(learner.buffer) < 2:
+                raise ValueError(f"draft {name!r} has {len(learner.buffer)} records: an update needs at least 2")
+            return learner.update_now()
+
+    def serve_version(self, name: str, version: str) -> None:
+        """Serve ``version`` of draft ``name`` from the next step (abandons its update in flight)."""
+        self.learned(name).learner.serve_version(version)
+
+    def rollback(self, name: str) -> str:
+        """Serve the current version's parent; return it."""
+        learner = self.learned(name).learner
+        current = learner.registry.current()
+        parent = learner.registry.meta(current).get("parent") if current else None
+        if not parent:
+            raise ValueError(f"draft {name!r} serves {current}, which has no parent to roll back to")
+        learner.serve_version(parent)
+        return parent
+
+    def pin(self, name: str, version: str | None) -> None:
+        """Serve ``version`` and publish no update (learning goes on); ``None`` unpins."""
+        learner = self.learned(name).learner
+        if version is not None:
+            if version != learner.registry.current():
+                learner.serve_version(version)
+        learner.pinned = version is not None
 
     @property
     def learners(self) -> list[OnlineLearner]:
-        return [d.learner for d in self.drafts.values() if d.learner is not None]
+        return [d.learner for d in list(self.drafts.values()) if d.learner is not None]
 
     @property
     def busy(self) -> bool:
@@ -117,5 +176,5 @@ class DraftPool:
 
     def reports(self) -> list[tuple[str, UpdateReport]]:
         """Every update of every draft, as (draft name, report), in the order they ended."""
-        tagged = [(name, r) for name, d in self.drafts.items() if d.learner for r in d.learner.reports]
+        tagged = [(name, r) for name, d in list(self.drafts.items()) if d.learner for r in d.learner.reports]
         return sorted(tagged, key=lambda pair: pair[1].ended_at)

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from onlinespec.online.stream import moving_average  # noqa: E402
+from onlinespec.metrics import moving_average  # noqa: E402
 from onlinespec.routing import SHARED  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
 
 def comparison_lines(label: str, comparison: dict | None) -> list[str]:
     """The side-by-side table of a run served with ``compare_every``: the same requests served by
-    the online system, the static starting draft and the target alone, in one process."""
+    the online system, the static starting draft and the target alone, by one server."""
     if not comparison:
         return []
     tps, ratio = comparison["tokens_per_s"], comparison["median_ratio"]
@@ -115,6 +115,8 @@ def comparison_lines(label: str, comparison: dict | None) -> list[str]:
     ]
     onoff = comparison.get("learning_on_vs_off")
     if onoff:
-        lines.append(f"Serving throughput with the learner running, relative to learner stopped (same requests, fixed work): "
-                     f"static draft {onoff['static']:.1%}, target alone {onoff['target_alone']:.1%}.")
+        lines.append(f"Serving throughput with the learner running, relative to learning paused (the static draft on the "
+                     f"same requests, at the same concurrency): {onoff['static']:.1%} pooled, {onoff['static_median_ratio']:.1%} "
+                     f"median per request ({onoff['requests_with_learner_busy']} of {comparison['n_requests']} "
+                     f"served while an update ran).")
     return lines

@@ -1,0 +1,3 @@
+"""Serving: the core every path serves through (:mod:`onlinespec.serve.core`), its
+OpenAI-compatible HTTP API (:mod:`onlinespec.serve.app`), its Prometheus metrics
+(:mod:`onlinespec.serve.metrics`) and the process that runs them (:mod:`onlinespec.serve.server`)."""

@@ -1,0 +1,583 @@
+"""The serving core: one target, its drafts, one engine loop and the online learners.
+
+Everything that serves goes through :class:`ServingCore`: the HTTP server
+(:mod:`onlinespec.serve.app`), ``onlinespec online`` (a stream submitted in process) and the
+demo (a stream sent over HTTP). None keeps a loop of its own.
+
+Threads::
+
+    callers (any thread)  submit / cancel / admin   -->  scheduler queue
+    engine loop (one)     admit, engine.step, push each request's new text to its handle;
+                          a published draft is swapped in between two steps
+    recorder (one)        finished request -> its draft's durable replay buffer -> the handle
+                          completes: a client never sees an answer whose record is not on disk
+    learners (pool)       background updates (arXiv 2310.07177, section 4.2), gate, registry
+
+A failure inside a step fails the requests of that step with a clear error, resets the batch
+cache and the loop goes on; an update that fails publishes nothing. Neither stops the service.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
+from onlinespec.decoding.request import Generation, RequestState, RequestStats
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.scheduler import Scheduler
+from onlinespec.decoding.speculative import hold_back
+from onlinespec.decoding.stopping import StopChecker
+from onlinespec.metrics import speculative_decoding
+from onlinespec.models import LoadedModel, load_model
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.pool import Draft, DraftPool, saved_drafts
+from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
+from onlinespec.serve.metrics import ServeMetrics
+from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids
+
+log = logging.getLogger("onlinespec.requests")
+
+STATIC, TARGET_ALONE = RESERVED  # drafts a request may ask for by name, never trained on
+
+
+@dataclass
+class CoreConfig:
+    target: str = "default"
+    draft: str = DEFAULT_DRAFT
+    k: int = DEFAULT_K
+    dtype: str = "float32"
+    learn: bool = True  # update the drafts online (off: serve them static)
+    buffer_policy: str = "window"
+    buffer_records: int = 2000
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    router: str = "domain"  # domain: one draft per request domain; single: one shared draft
+    max_drafts: int = MAX_DRAFTS  # domains beyond this many share one draft
+    adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
+    kernels: bool = True  # small-batch linear kernels when they measure faster
+    max_batch: int = 8  # requests verified per step
+    max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
+    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
+    request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
+    static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    log_text: bool = False  # request log lines carry prompt and output text
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
+        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
+            raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0 and default_max_tokens >= 1 are required")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+
+    @property
+    def learning(self) -> bool:
+        return self.learn and self.draft != "none"
+
+
+class ServeError(Exception):
+    """A request the core refuses or could not finish; ``status`` is the HTTP status it maps to."""
+
+    status, kind = 400, "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class Overloaded(ServeError):
+    status, kind = 429, "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, code="queue_full")
+        self.retry_after = retry_after
+
+
+class Unavailable(ServeError):
+    status, kind = 503, "service_unavailable"
+
+
+class NotFound(ServeError):
+    status, kind = 404, "not_found_error"
+
+
+class Timeout(ServeError):
+    status, kind = 504, "timeout"
+
+
+class Failed(ServeError):
+    status, kind = 500, "internal_error"
+
+
+@dataclass
+class Served:
+    """A finished request, as every client reports it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # stop (EOS or a stop string) | length
+    stats: RequestStats
+    draft: str
+    draft_version: str | None  # the version that served its last step
+    draft_versions: list[str]  # every version that served a step (a swap can land mid-request)
+    domain: str
+    learner_busy: bool
+    recorded: bool  # its training records are in the durable buffer
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def figures(self) -> dict:
+        """The request's speculation figures (vLLM's per-request shape) and what served it."""
+        return {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
+                "draft_versions": self.draft_versions, "domain": self.domain, "learner_busy": self.learner_busy,
+                "queued_seconds": self.stats.queued_seconds, "time_to_first_token_seconds": self.stats.first_token_seconds,
+                "seconds": self.stats.seconds}
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+_request_ids = itertools.count()
+
+
+class Handle:
+    """A submitted request: its events (:class:`Delta`, then a :class:`Served` or a
+    :class:`ServeError`) in order. ``notify`` is called from the core's threads after each event
+    (an asyncio server passes ``loop.call_soon_threadsafe``-based wake-ups)."""
+
+    def __init__(self, core: ServingCore, state: RequestState, draft: Draft, domain: str, train: bool, request_id: str,
+                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "") -> None:
+        self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
+        self.request_id, self.deadline, self.notify, self.prompt_text = request_id, deadline, notify, prompt_text
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.emitted = ""  # text sent so far
+        self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
+        self.versions: list[str] = []
+        self.done = False
+
+    def emit(self, event) -> None:
+        if isinstance(event, (Served, ServeError)):
+            self.done = True
+        self.events.put(event)
+        if self.notify is not None:
+            self.notify()
+
+    def __iter__(self):
+        """Block on each event until the last (for threads; an async server drains ``events``)."""
+        while True:
+            event = self.events.get()
+            yield event
+            if isinstance(event, (Served, ServeError)):
+                return
+
+    def result(self) -> Served:
+        """Block until the request ends; raise its error if it failed."""
+        for event in self:
+            if isinstance(event, ServeError):
+                raise event
+            if isinstance(event, Served):
+                return event
+        raise AssertionError("unreachable")
+
+    def cancel(self) -> None:
+        """The client went away: free the request's slot at the next step (nothing recorded)."""
+        self.core.cancel(self)
+
+
+class ServingCore:
+    def __init__(self, config: CoreConfig, out_dir: str | Path, on_event: Callable[[dict], None] | None = None,
+                 target: LoadedModel | None = None) -> None:
+        """``on_event`` receives every event (requests, drafts, updates) as a dict, from the core's
+        threads; the core also appends them to ``out_dir/events.jsonl``. ``target``: an already
+        loaded target to share (else :meth:`load` loads ``config.target``)."""
+        self.config, self.out_dir = config, Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = ServeMetrics()
+        self.target = target
+        self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
+        self.error: str | None = None
+        self._on_event = on_event
+        self._events = open(self.out_dir / "events.jsonl", "a")
+        self._events_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._handles: dict[int, Handle] = {}
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._served = 0
+        self._recent_seconds = 1.0  # moving average of request seconds (Retry-After)
+        self.started_at = time.time()
+
+    # ---- start and stop ---------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+    def load(self) -> None:
+        """Load the target and the drafts, measure the cost curve, start the threads. Blocking
+        (seconds to a minute); the server runs it in the background and answers /ready when done."""
+        try:
+            self._load()
+        except Exception as err:
+            self.status, self.error = "failed", f"{type(err).__name__}: {err}"
+            self.event({"event": "load_failed", "error": self.error})
+            raise
+
+    def _load(self) -> None:
+        config = self.config
+        self.status = "loading"
+        if self.target is None:
+            self.target = load_model(config.target, config.dtype)
+        model, tokenizer = self.target.model, self.target.tokenizer
+        self.tokenizer, self.eos = tokenizer, eos_token_ids(model, tokenizer)
+        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.status = "calibrating"
+        speculative = config.draft != "none"
+        options = engine_options(self.target, config.k, adaptive=config.adaptive_k, kernels=config.kernels,
+                                 max_batch=config.max_batch) if speculative else {}
+        self.curve = options.get("cost_curve")
+        adaptive = options.get("adaptive_k")
+
+        def new_draft():
+            """A fresh starting draft with acceptance statistics of its own."""
+            return make_proposer(config.draft, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
+
+        self.engine = SpeculativeEngine(model, self.eos, config.k if speculative else 0, cost_curve=self.curve,
+                                        pad=options.get("pad", False), prefill_chunk=config.prefill_chunk)
+        self.scheduler = Scheduler(self.engine, config.max_batch)
+        learning = config.learning
+        router = Router(config.router if learning else "single", config.max_drafts, saved_drafts(self.out_dir) if learning else ())
+        self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning else None, config.buffer_policy,
+                              config.buffer_records, on_event=self._learner_event)
+        self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
+        if config.static_baseline and speculative:
+            self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
+        self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
+                    "max_batch": config.max_batch})
+        self._loop_thread = threading.Thread(target=self._loop, name="onlinespec-engine", daemon=True)
+        self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
+        self._loop_thread.start()
+        self._recorder_thread.start()
+        self.status = "ready"
+
+    def shutdown(self, drain_seconds: float = 30.0) -> None:
+        """Refuse new requests, let those in flight finish (at most ``drain_seconds``, then they
+        fail), write every finished request's records, abandon an update in flight without
+        publishing, and stop the threads."""
+        if self.status in ("stopped", "starting", "failed"):
+            self.status = "stopped"
+            return
+        self.status, self._stopping = "draining", True
+        deadline = time.monotonic() + drain_seconds
+        while self._handles and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for handle in list(self._handles.values()):
+            self._fail(handle, Unavailable("the server is shutting down: the request was not finished; send it again"))
+        with self._wake:
+            self._wake.notify_all()
+        self._loop_thread.join(60)
+        self._finished.put(None)
+        self._recorder_thread.join(60)
+        for learner in self.pool.learners:
+            learner.stop(timeout=60)
+        self.event({"event": "stop", "requests_served": self._served})
+        self.status = "stopped"
+        with self._events_lock:
+            self._events.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        try:
+            return encode_prompt(self.tokenizer, prompt)
+        except (ValueError, TypeError) as err:
+            raise ServeError(str(err), param="messages" if isinstance(prompt, list) else "prompt") from None
+        except Exception as err:  # a chat template that rejects the conversation (e.g. role order)
+            raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
+
+    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        """The request's budget: what it asked, or the default, within the context left; a prompt
+        that leaves no room, or a request for more than is left, is a clear error."""
+        room = self.context - prompt_tokens - (self.engine.k + 1)  # a verification block reaches k + 1 past the text
+        if room < 1:
+            raise ServeError(f"the prompt has {prompt_tokens} tokens: the model's context is {self.context} tokens, "
+                             f"so a prompt may have at most {self.context - self.engine.k - 2}", param="messages", code="context_length_exceeded")
+        if requested is None:
+            return min(room, self.config.default_max_tokens)
+        if requested > room:
+            raise ServeError(f"prompt ({prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model's context of "
+                             f"{self.context} tokens: ask for at most {room} new tokens for this prompt",
+                             param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        domain: str = "default",
+        train: bool = True,
+        draft: str | None = None,
+        request_id: str | None = None,
+        max_tokens: int | None = None,
+        notify: Callable[[], None] | None = None,
+    ) -> Handle:
+        """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
+
+        ``max_tokens`` overrides ``params.max_new_tokens`` after the context check (None: the
+        default, within the context). ``draft``: serve with this draft by name (``"static"``: the
+        starting draft kept static, when offered; ``"none"``: the target alone; a pool draft's
+        name) instead of the router's choice; such requests train nothing unless the draft is
+        the router's own. ``train=False``: never stored, never trained on.
+        """
+        if not self.ready:
+            reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
+            raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
+        ids = self.encode(prompt)
+        params = params or SamplingParams()
+        params = replace(params, max_new_tokens=self.max_new_tokens(len(ids), max_tokens))
+        chosen = self._draft(domain, draft)
+        train = train and chosen.learner is not None
+        with self._lock:
+            if len(self.scheduler.waiting) >= self.config.max_waiting:
+                retry = max(1, math.ceil(self._recent_seconds * (1 + len(self.scheduler.waiting) / self.config.max_batch)))
+                self.metrics.failures.labels("queue_full").inc()
+                raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (the limit is {self.config.max_waiting}): "
+                                 f"retry in {retry} s", retry)
+            state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
+                                 adaptive=chosen.adaptive, trace=[] if train else None)
+            request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
+            handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
+                            notify, prompt if self.config.log_text else "")
+            self._handles[state.id] = handle
+            self.scheduler.submit(state)
+        with self._wake:
+            self._wake.notify()
+        return handle
+
+    def _draft(self, domain: str, name: str | None) -> Draft:
+        if name is None:
+            return self.pool.route(domain)
+        if name in self.baselines:
+            return self.baselines[name]
+        if name in self.pool.drafts:
+            return self.pool.drafts[name]
+        offered = [*self.pool.drafts, *self.baselines]
+        raise NotFound(f"no draft {name!r}: this server offers {offered} (or leave draft out to be routed)", param="draft")
+
+    def cancel(self, handle: Handle) -> None:
+        with self._lock:
+            if self._handles.pop(handle.state.id, None) is None:
+                return
+        self.scheduler.cancel(handle.state)
+        self.metrics.failures.labels("cancelled").inc()
+        self.event({"event": "cancelled", "id": handle.request_id, "draft": handle.draft.name,
+                    "new_tokens": len(handle.state.stop.generated)})
+
+    def _fail(self, handle: Handle, error: ServeError) -> None:
+        with self._lock:
+            if self._handles.pop(handle.state.id, None) is None:
+                return
+        self.scheduler.cancel(handle.state)
+        self.metrics.failures.labels(error.kind).inc()
+        self.event({"event": "failed", "id": handle.request_id, "draft": handle.draft.name, "error": error.message})
+        handle.emit(error)
+
+    # ---- the engine loop (one thread) ----------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self.scheduler.has_work and not self._stopping:
+                    self._wake.wait(0.25)
+                    self._expire()
+            if self._stopping and not self.scheduler.has_work:
+                return
+            self._expire()
+            try:
+                advanced, report = self.scheduler.step()
+            except Exception as err:  # fail the step's requests, never the service
+                logging.getLogger("onlinespec.serve").exception("a step failed")
+                self._reset(f"{type(err).__name__}: {err}")
+                continue
+            self.metrics.running.set(len(self.scheduler.running))
+            self.metrics.waiting.set(len(self.scheduler.waiting))
+            now = time.perf_counter()
+            for state in advanced:
+                self._advance(state, now)
+
+    def _advance(self, state: RequestState, now: float) -> None:
+        handle = self._handles.get(state.id)
+        if handle is None:  # cancelled while its step ran
+            return
+        version = handle.draft.version
+        if version and (not handle.versions or handle.versions[-1] != version):
+            handle.versions.append(version)
+        if state.new_tokens:
+            if handle.last_emit is not None:  # the first tokens are time to first token, not inter-token
+                for _ in state.new_tokens:
+                    self.metrics.itl.observe((now - handle.last_emit) / len(state.new_tokens))
+            handle.last_emit = now
+        text = state.stop.text()
+        if not state.finished:
+            text = hold_back(text, state.params.stop_strings)
+        if len(text) > len(handle.emitted) or state.new_tokens:
+            handle.emit(Delta(text[len(handle.emitted):], list(state.new_tokens)))
+            handle.emitted = max(handle.emitted, text, key=len)
+        if state.finished:
+            with self._lock:
+                self._handles.pop(state.id, None)
+            self._finished.put(handle)
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for handle in [h for h in list(self._handles.values()) if h.deadline < now]:
+            self._fail(handle, Timeout(f"the request ran past the server's limit of {self.config.request_timeout:g} s "
+                                       f"({len(handle.state.stop.generated)} tokens generated); ask for fewer tokens or retry"))
+
+    def _reset(self, error: str) -> None:
+        """After a failed step: fail its requests, start a fresh batch cache."""
+        for state in list(self.scheduler.running):
+            handle = self._handles.get(state.id)
+            if handle is not None:
+                self._fail(handle, Failed(f"the engine failed while serving this request ({error}); send it again"))
+        self.engine.reset()
+
+    # ---- recording (one thread) ------------------------------------------------------------------
+
+    def _record_loop(self) -> None:
+        while (handle := self._finished.get()) is not None:
+            try:
+                self._complete(handle)
+            except Exception as err:  # never leave a client waiting
+                logging.getLogger("onlinespec.serve").exception("completing a request failed")
+                handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
+
+    def _complete(self, handle: Handle) -> None:
+        state, draft = handle.state, handle.draft
+        text = state.stop.text()
+        generation = Generation(text, list(state.stop.generated), state.prompt_ids, state.stats, state.trace or [])
+        recorded = False
+        if draft.learner is not None:
+            try:  # durable when it returns; the request counts towards the update interval either way
+                self.pool.observe(draft, generation, handle.domain, handle.request_id, train=handle.train)
+                recorded = handle.train
+            except Exception as err:
+                logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
+        stats = state.stats
+        reason = "length" if stats.finish_reason == "length" else "stop"
+        served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
+                        draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
+                        self.pool.busy, recorded)
+        figures = speculative_decoding(stats)
+        self.metrics.request(draft.name, draft.version, handle.domain, stats, figures)
+        self.metrics.serving(draft.name, draft.version)
+        if draft.learner is not None:
+            buffer = draft.learner.buffer
+            self.metrics.buffer_records.labels(draft.name).set(len(buffer))
+            self.metrics.buffer_bytes.labels(draft.name).set(buffer.nbytes)
+            if recorded:
+                self.metrics.records.labels(draft.name).inc()
+        self._served += 1
+        self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * stats.seconds
+        line = {"event": "request", "id": handle.request_id, "domain": handle.domain, "draft": draft.name,
+                "draft_version": draft.version, "prompt_tokens": served.prompt_tokens, "completion_tokens": served.completion_tokens,
+                "finish_reason": reason, "alpha": stats.acceptance_rate, "tau": stats.mean_accepted_length,
+                "seconds": stats.seconds, "ttft_seconds": stats.first_token_seconds, "queued_seconds": stats.queued_seconds,
+                "recorded": recorded}
+        if self.config.log_text:
+            line.update(prompt=handle.prompt_text, text=text)
+        log.info(json.dumps(line))
+        self.event(line)
+        handle.emit(served)
+
+    # ---- events and operators ---------------------------------------------------------------------
+
+    def event(self, event: dict) -> None:
+        event = {**event, "time": event.get("time", time.time())}
+        with self._events_lock:
+            if not self._events.closed:
+                self._events.write(json.dumps(event) + "\n")
+                self._events.flush()
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def _learner_event(self, event: dict) -> None:
+        name = event.get("draft", "")
+        if event["event"] == "update":
+            self.metrics.update(name, event["outcome"], event["seconds"])
+            if event["version"]:
+                self.metrics.serving(name, event["version"])
+        elif event["event"] == "update_failed":
+            self.metrics.update(name, "failed")
+        self.event({**event, "requests_served": self._served})
+
+    def drafts(self) -> list[dict]:
+        """Every draft: what it serves, its versions (with their metadata), its learner's state."""
+        rows = []
+        for name, draft in [*self.pool.drafts.items(), *self.baselines.items()]:
+            row = {"name": name, "version": draft.version, "learning": draft.learner is not None}
+            if draft.learner is not None:
+                learner, registry = draft.learner, draft.learner.registry
+                row.update(
+                    versions=[{"version": v, **{k: m.get(k) for k in ("parent", "records_seen", "alpha_before", "alpha_after", "published_at", "note")}}
+                              for v, m in ((v, registry.meta(v)) for v in registry.versions())],
+                    current=registry.current(), pinned=learner.pinned, busy=learner.busy, due=learner.due,
+                    buffer_records=len(learner.buffer), failures=list(learner.failures),
+                    updates=[{k: v for k, v in vars(r).items() if k != "by_domain"} for r in learner.reports],
+                )
+            rows.append(row)
+        return rows
+
+    def learning(self) -> dict:
+        return {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
+
+    def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
+        """An operator's action: ``pause``, ``resume``, ``update`` (start ``name``'s update now),
+        ``rollback`` (``name`` serves its current version's parent), ``pin`` (``name`` serves
+        ``version`` and publishes nothing; ``version=None`` unpins). Returns the new state."""
+        if not self.config.learning:
+            raise ServeError("this server does not learn (started with --static or --draft none)", code="not_learning")
+        try:
+            if action in ("pause", "resume"):
+                self.pool.pause(action == "pause")
+                result = self.learning()
+            elif action == "update":
+                if not self.pool.update_now(name):
+                    raise ServeError("an update is already running: wait for it (GET /admin/drafts shows it busy)", code="busy")
+                result = {"draft": name, "started": True}
+            elif action == "rollback":
+                result = {"draft": name, "version": self.pool.rollback(name)}
+            elif action == "pin":
+                self.pool.pin(name, version)
+                result = {"draft": name, "version": self.pool.drafts[name].learner.registry.current(), "pinned": version is not None}
+            else:
+                raise ServeError(f"unknown action {action!r}")
+        except KeyError as err:
+            raise NotFound(err.args[0], param="draft") from None
+        except FileNotFoundError as err:
+            raise NotFound(str(err), param="version") from None
+        except ValueError as err:
+            raise ServeError(str(err)) from None
+        if name in self.pool.drafts and action in ("rollback", "pin"):
+            self.metrics.serving(name, self.pool.drafts[name].learner.registry.current())
+        self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
+        return result

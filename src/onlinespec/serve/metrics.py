@@ -1,0 +1,80 @@
+"""Prometheus metrics of a serving core, under vLLM's names with our own prefix.
+
+The spec-decode counters are vLLM's (``spec_decode_num_drafts_total``,
+``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total``,
+``spec_decode_num_accepted_tokens_per_pos_total{position}``), labelled by draft, draft version and
+domain: an operator sees, per published version, whether acceptance rose. Latency histograms,
+queue gauges and the learner's counters come beside them. Each core has its own registry, so
+several cores (tests, replicas) never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "onlinespec:"
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+SPEC = ("draft", "version", "domain")
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        name = lambda n: PREFIX + n  # noqa: E731
+        self.num_drafts = Counter(name("spec_decode_num_drafts"), "Rounds that sent proposals", SPEC, registry=r)
+        self.num_draft_tokens = Counter(name("spec_decode_num_draft_tokens"), "Proposed tokens", SPEC, registry=r)
+        self.num_accepted_tokens = Counter(name("spec_decode_num_accepted_tokens"), "Accepted proposals", SPEC, registry=r)
+        self.accepted_per_pos = Counter(name("spec_decode_num_accepted_tokens_per_pos"),
+                                        "Accepted proposals by position in the draft", (*SPEC, "position"), registry=r)
+        self.requests = Counter(name("request_success"), "Finished requests by finish reason", ("finished_reason",), registry=r)
+        self.failures = Counter(name("request_failure"), "Requests that ended without an answer", ("reason",), registry=r)
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(name("generation_tokens"), "Generated tokens", SPEC, registry=r)
+        self.latency = Histogram(name("e2e_request_latency_seconds"), "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(name("request_queue_time_seconds"), "Waiting for a batch slot", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(name("time_to_first_token_seconds"), "From arrival to the first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(name("inter_token_latency_seconds"), "Between tokens (a round's tokens share its wait)", buckets=TOKEN_BUCKETS, registry=r)
+        self.running = Gauge(name("num_requests_running"), "Requests in the batch", registry=r)
+        self.waiting = Gauge(name("num_requests_waiting"), "Requests waiting for a slot", registry=r)
+        self.updates = Counter(name("learner_updates"), "Draft updates by outcome", ("draft", "outcome"), registry=r)
+        self.update_seconds = Histogram(name("learner_update_seconds"), "Wall time of one update", ("draft",),
+                                        buckets=(1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640), registry=r)
+        self.buffer_records = Gauge(name("buffer_records"), "Records in the draft's replay buffer", ("draft",), registry=r)
+        self.buffer_bytes = Gauge(name("buffer_bytes"), "Bytes of the draft's replay buffer", ("draft",), registry=r)
+        self.records = Counter(name("buffer_records_written"), "Training records written (durable)", ("draft",), registry=r)
+        self.version = Gauge(name("draft_version_info"), "1 for the version each draft serves", ("draft", "version"), registry=r)
+        self._versions: dict[str, str] = {}
+
+    def request(self, draft: str, version: str | None, domain: str, stats, figures: dict) -> None:
+        """Count one finished request (``figures``: :func:`onlinespec.metrics.speculative_decoding`)."""
+        labels = (draft, version or "none", domain)
+        self.num_drafts.labels(*labels).inc(figures["num_drafts"])
+        self.num_draft_tokens.labels(*labels).inc(figures["num_draft_tokens"])
+        self.num_accepted_tokens.labels(*labels).inc(figures["num_accepted_tokens"])
+        for position, n in enumerate(figures["num_accepted_tokens_per_pos"]):
+            self.accepted_per_pos.labels(*labels, str(position)).inc(n)
+        self.generation_tokens.labels(*labels).inc(stats.new_tokens)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.requests.labels(stats.finish_reason or "unknown").inc()
+        self.latency.observe(stats.seconds)
+        self.queue_time.observe(stats.queued_seconds)
+        self.ttft.observe(stats.first_token_seconds)
+
+    def serving(self, draft: str, version: str | None) -> None:
+        """``draft`` now serves ``version`` (the info gauge keeps one series per draft at 1)."""
+        old = self._versions.get(draft)
+        if old == (version or "none"):
+            return
+        if old is not None:
+            self.version.remove(draft, old)
+        self._versions[draft] = version or "none"
+        self.version.labels(draft, version or "none").set(1)
+
+    def update(self, draft: str, outcome: str, seconds: float | None = None) -> None:
+        self.updates.labels(draft, outcome).inc()
+        if seconds is not None:
+            self.update_seconds.labels(draft).observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

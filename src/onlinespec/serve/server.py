@@ -1,0 +1,104 @@
+"""Run the server (uvicorn), and start one as a child process (the demo, tests, benchmarks).
+
+SIGTERM (or Ctrl-C) is a graceful stop: uvicorn stops accepting connections and lets the
+requests in flight finish for ``drain_seconds``; then the core fails what is left, writes every
+finished request's records, abandons an update in flight without publishing, and the process
+exits 0. A restart on the same ``--out-dir`` serves each draft's last published version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from onlinespec.serve.app import ServerSettings, create_app
+from onlinespec.serve.core import CoreConfig, ServingCore
+
+
+def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
+          settings: ServerSettings | None = None) -> None:
+    """Serve until SIGTERM / SIGINT (blocking). Request log lines (one JSON object each) go to stderr."""
+    settings = settings or ServerSettings()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    requests_log = logging.getLogger("onlinespec.requests")
+    requests_log.addHandler(handler)
+    requests_log.setLevel(logging.INFO)
+    requests_log.propagate = False
+    core = ServingCore(config, out_dir)
+    app = create_app(core, settings)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                  timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``onlinespec serve ARGS`` in a child process on 127.0.0.1, ready when entered::
+
+        with ServerProcess(["--out-dir", "runs/x"]) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+    Leaving sends SIGTERM and waits for a graceful exit.
+    """
+
+    def __init__(self, args: list[str], port: int | None = None, log: str | Path | None = None,
+                 env: dict | None = None, ready_timeout: float = 900.0) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.log, self.env, self.ready_timeout = args, log, env, ready_timeout
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        command = [sys.executable, "-m", "onlinespec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        output = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=self.env or os.environ.copy())
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode} before it was ready"
+                                   + (f" (log: {self.log})" if self.log else ""))
+            try:
+                response = httpx.get(self.url + "/ready", timeout=2)
+                if response.status_code == 200:
+                    return
+                if response.status_code == 503 and response.json().get("status") == "failed":
+                    raise RuntimeError(f"the server failed to load: {response.json().get('error')}")
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not ready within {self.ready_timeout:.0f} s")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM, then wait for the exit code (SIGKILL after ``timeout``)."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,283 @@
+"""Drive a query stream through the serving core while its drafts learn (arXiv 2310.07177, section 4.2).
+
+The core (:mod:`onlinespec.serve.core`) does the serving, recording and learning; this module is
+a client of it that sends a stream with ``concurrency`` requests in flight and measures. Two
+transports, one driver (:func:`drive`): :class:`CoreClient` submits in process (``onlinespec
+online``), :class:`HTTPClient` sends through the OpenAI API of a running server with the real
+``openai`` client (``onlinespec demo``).
+
+Side-by-side comparison (``compare_every = N``): every N-th request (a probe) is also served by the
+STARTING draft kept static (draft ``"static"``), right before or after the online one (alternately),
+under the same load. After the stream, learning is paused, the update in flight ends, and the
+probes are served again at the same concurrency, once by the static draft and once by the target
+alone (draft ``"none"``): the target alone runs in batches of its own, as a server without
+speculation would, and the static draft's two passes give the serving throughput kept while the
+learner runs, with the work held fixed.
+
+Each request's row (``on_request``) comes after its training record is in the durable buffer: a
+reported request is an acknowledged one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from onlinespec.data import Query
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.metrics import bootstrap_ratio, median_ratio, moving_average
+from onlinespec.serve.core import STATIC, TARGET_ALONE, CoreConfig, Served, ServingCore
+
+MOVING_AVERAGE = 50
+STATS = ("acceptance_rate", "tau", "accepted", "judged", "new_tokens", "seconds", "tokens_per_s")
+
+
+@dataclass
+class OnlineConfig:
+    core: CoreConfig = field(default_factory=CoreConfig)
+    max_new_tokens: int = 64  # per request, unless the query says
+    concurrency: int = 1  # requests in flight
+    compare_every: int = 0  # serve every N-th request also with the static draft (and, after, the target alone)
+
+    def __post_init__(self) -> None:
+        if self.compare_every < 0 or self.max_new_tokens < 1 or self.concurrency < 1:
+            raise ValueError("compare_every >= 0, max_new_tokens >= 1 and concurrency >= 1 are required")
+
+
+class StreamClient(Protocol):
+    def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
+        """Serve one query greedily (``draft``: a baseline by name); its row: STATS, text, draft, version, learner_busy."""
+
+    def settle(self) -> None:
+        """Pause learning and wait for the update in flight to end."""
+
+    def updates(self) -> list[dict]:
+        """Every update of every draft, in the order they ended."""
+
+
+def stream_row(text: str, figures: dict, new_tokens: int, seconds: float) -> dict:
+    """A served request's row: ``figures`` is :meth:`Served.figures` (the response's ``metrics``, flattened)."""
+    return {
+        "text": text, "acceptance_rate": figures["alpha"], "tau": figures["tokens_per_target_forward"],
+        "accepted": figures["num_accepted_tokens"], "judged": figures["num_judged_tokens"], "new_tokens": new_tokens,
+        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "draft": figures["draft"],
+        "draft_version": figures["draft_version"], "learner_busy": figures["learner_busy"],
+    }
+
+
+class CoreClient:
+    """A stream client in the core's own process."""
+
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+
+    def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
+        started = time.perf_counter()
+        prompt = list(query.messages) if query.messages else query.prompt
+        handle = self.core.submit(prompt, SamplingParams(temperature=0.0), query.domain, train=query.train and draft is None,
+                                  draft=draft, request_id=query.id, max_tokens=max_new_tokens)
+        served: Served = handle.result()
+        seconds = time.perf_counter() - started  # what the client waited, recording included
+        return stream_row(served.text, served.figures(), served.completion_tokens, seconds)
+
+    def settle(self) -> None:
+        if self.core.config.learning:
+            self.core.operate("pause")
+        for learner in self.core.pool.learners:
+            learner.wait()
+
+    def updates(self) -> list[dict]:
+        return [{"draft": name, **asdict(r)} for name, r in self.core.pool.reports()]
+
+
+class HTTPClient:
+    """A stream client of a running server, through the real ``openai`` client (and its admin API)."""
+
+    def __init__(self, url: str, model: str = "default", api_key: str = "none", admin_key: str | None = None,
+                 timeout: float = 900.0) -> None:
+        import httpx
+        import openai
+
+        self.model, self.url = model, url.rstrip("/")
+        self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
+        self.admin = httpx.Client(base_url=self.url, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {admin_key}"} if admin_key else {})
+
+    def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
+        extra = {"domain": query.domain, "train": query.train and draft is None, **({"draft": draft} if draft else {})}
+        common = dict(model=self.model, max_tokens=max_new_tokens, temperature=0.0, extra_body=extra,
+                      extra_headers={"X-Request-Id": query.id})
+        started = time.perf_counter()
+        if query.messages:
+            response = self.openai.chat.completions.create(messages=list(query.messages), **common)
+            text = response.choices[0].message.content
+        else:
+            response = self.openai.completions.create(prompt=query.prompt, **common)
+            text = response.choices[0].text
+        seconds = time.perf_counter() - started
+        metrics = dict(response.model_extra["metrics"])
+        figures = {**metrics.pop("speculative_decoding"), **metrics}
+        return stream_row(text, figures, response.usage.completion_tokens, seconds)
+
+    def settle(self) -> None:
+        state = self.admin.get("/admin/drafts").raise_for_status().json()
+        if state["learning"] and state["learning"]["learning"]:
+            self.admin.post("/admin/learning/pause").raise_for_status()
+        while any(d.get("busy") for d in self.admin.get("/admin/drafts").raise_for_status().json()["drafts"]):
+            time.sleep(0.5)
+
+    def updates(self) -> list[dict]:
+        drafts = self.admin.get("/admin/drafts").raise_for_status().json()["drafts"]
+        return sorted(({"draft": d["name"], **u} for d in drafts for u in d.get("updates", [])), key=lambda u: u["ended_at"])
+
+
+def run_stream(
+    queries: Sequence[Query],
+    config: OnlineConfig,
+    out_dir: str | Path,
+    on_request: Callable[[dict], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
+) -> dict:
+    """Serve ``queries`` through a serving core in this process (``onlinespec online``)."""
+    say = on_status or (lambda text: None)
+    say("loading the target and the draft, measuring the target's cost curve")
+    core_config = config.core
+    if config.compare_every and not core_config.static_baseline:
+        core_config = replace(core_config, static_baseline=True)
+    core = ServingCore(core_config, out_dir)
+    core.load()
+    try:
+        return drive(queries, CoreClient(core), config, on_request, say)
+    finally:
+        core.shutdown()
+
+
+def drive(
+    queries: Sequence[Query],
+    client: StreamClient,
+    config: OnlineConfig,
+    on_request: Callable[[dict], None] | None = None,
+    say: Callable[[str], None] = lambda text: None,
+) -> dict:
+    """Send ``queries`` through ``client``, ``config.concurrency`` in flight; measure as the
+    module docstring says; return :func:`summarize`'s result."""
+    rows: list[dict] = []
+    lock = threading.Lock()
+    every = config.compare_every
+    budget = lambda q: q.max_new_tokens or config.max_new_tokens  # noqa: E731
+
+    def serve(i: int) -> None:
+        query = queries[i]
+        probe = bool(every) and i % every == 0
+        static_first = probe and (i // every) % 2 == 1  # on every other probe the static draft goes first
+        static = client.serve(query, budget(query), STATIC) if static_first else None
+        online = client.serve(query, budget(query))
+        if probe and not static_first:
+            static = client.serve(query, budget(query), STATIC)
+        row = {"i": i, "id": query.id, "domain": query.domain, **online, "time": time.time()}
+        if probe:
+            row["static"] = {k: static[k] for k in STATS}
+            row["static_text"] = static["text"]
+        with lock:
+            rows.append(row)
+            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]], MOVING_AVERAGE)[-1]
+            if on_request:
+                on_request(row)
+
+    with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
+        list(pool.map(serve, range(len(queries))))  # re-raises the first failed request
+    rows.sort(key=lambda r: r["i"])
+    probes = [r for r in rows if "static" in r]
+    if probes:
+        say("learning paused: waiting for the update in flight to end")
+        client.settle()
+        for key, draft in (("static_learning_off", STATIC), ("target_alone", TARGET_ALONE)):
+            say(f"serving the {len(probes)} compared requests again, {'static draft' if draft == STATIC else 'target alone'}, learning off")
+            by_id = {r["i"]: r for r in probes}
+
+            def again(row: dict, key: str = key, draft: str = draft) -> None:
+                query = queries[row["i"]]
+                out = client.serve(query, budget(query), draft)
+                by_id[row["i"]][key] = {k: out[k] for k in STATS}
+                by_id[row["i"]].setdefault("texts", {})[draft] = out["text"]
+
+            with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
+                list(pool.map(again, probes))
+        for r in probes:  # greedy: the online system, the static draft and the target alone agree
+            r["identical"] = r["text"] == r.pop("static_text") == r["texts"][STATIC] == r.pop("texts")[TARGET_ALONE]
+    for r in rows:
+        r.pop("text", None)
+    return summarize(rows, config, client.updates())
+
+
+def pooled_alpha(stats: Sequence[dict]) -> float:
+    """Accepted over judged proposals, summed over requests (a stats row each)."""
+    return sum(s["accepted"] for s in stats) / max(1, sum(s["judged"] for s in stats))
+
+
+def _throughput(part: Sequence[dict]) -> float:
+    seconds = sum(p["seconds"] for p in part)
+    return sum(p["new_tokens"] for p in part) / seconds if seconds else 0.0
+
+
+def _pick(rows: Sequence[dict], key: str | None) -> list[dict]:
+    return [r[key] if key else r for r in rows]
+
+
+def _rate_pairs(rows: Sequence[dict], a: str | None, b: str) -> list[tuple[float, float]]:
+    return [((r[a] if a else r)["tokens_per_s"], r[b]["tokens_per_s"]) for r in rows]
+
+
+def _interval(rows: Sequence[dict], a: str | None, b: str) -> tuple[float, float]:
+    samples = [((r[a] if a else r)["new_tokens"], (r[a] if a else r)["seconds"], r[b]["new_tokens"], r[b]["seconds"]) for r in rows]
+    return bootstrap_ratio(samples)
+
+
+def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None = None) -> dict:
+    def figures(part: list[dict]) -> dict:
+        head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
+        return {
+            "n_requests": len(part),
+            "tokens_per_s": _throughput(part),
+            "acceptance_rate_mean": sum(r["acceptance_rate"] for r in part) / len(part),
+            "acceptance_rate_pooled": pooled_alpha(part),
+            "acceptance_rate_first_50": sum(r["acceptance_rate"] for r in head) / len(head),
+            "acceptance_rate_last_50": sum(r["acceptance_rate"] for r in tail) / len(tail),
+            "tau_mean": sum(r["tau"] for r in part) / len(part),
+        }
+
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    result = {
+        "config": asdict(config),
+        "summary": figures(rows) if rows else {},
+        "domains": {d: figures([r for r in rows if r["domain"] == d]) for d in domains},
+        "updates": updates or [],
+        "requests": rows,
+    }
+    probed = [r for r in rows if "static" in r and "target_alone" in r]
+    if probed:
+        comparison = {
+            "n_requests": len(probed),
+            "identical": sum(bool(r.get("identical")) for r in probed),
+            "tokens_per_s": {"online": _throughput(probed), "static": _throughput(_pick(probed, "static")),
+                             "target_alone": _throughput(_pick(probed, "target_alone"))},
+            "median_ratio": {"online/target_alone": median_ratio(_rate_pairs(probed, None, "target_alone")),
+                             "static/target_alone": median_ratio(_rate_pairs(probed, "static", "target_alone")),
+                             "online/static": median_ratio(_rate_pairs(probed, None, "static"))},
+            "online/static_95ci": _interval(probed, None, "static"),
+            "acceptance_rate": {"online": pooled_alpha(probed), "static": pooled_alpha(_pick(probed, "static"))},
+        }
+        off = [r for r in probed if "static_learning_off" in r]
+        if off:  # the same requests and draft, with the learner running vs paused
+            comparison["learning_on_vs_off"] = {
+                "static": _throughput(_pick(off, "static")) / _throughput(_pick(off, "static_learning_off")),
+                "static_median_ratio": median_ratio(_rate_pairs(off, "static", "static_learning_off")),
+                "requests_with_learner_busy": sum(bool(r["learner_busy"]) for r in off),
+            }
+        result["comparison"] = comparison
+    return result
