@@ -143,6 +143,11 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
+def _union_tag(part) -> bool:
+    """Pydantic names the member of a union it tried in an error's location ('str', 'list[int]'): not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part or part.startswith("function-"))
+
+
 def parse(body: bytes, model: type[_Common]) -> _Common:
     """A request body as ``model``, or the error that says what to fix."""
     try:
@@ -155,6 +160,6 @@ def parse(body: bytes, model: type[_Common]) -> _Common:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        where = ".".join(str(part) for part in first["loc"] if not _union_tag(part))
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
         raise Unprocessable(f"{where}: {first['msg']}{more}", param=where or None, code=first["type"]) from None

@@ -8,12 +8,14 @@ exits 0. A restart on the same ``--out-dir`` serves each draft's last published 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,8 +38,24 @@ def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port
     requests_log.propagate = False
     core = ServingCore(config, out_dir)
     app = create_app(core, settings)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                  timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                           timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """Like uvicorn's, except that a graceful stop ends the process with status 0 (uvicorn
+        raises the signal again once it has stopped, so the process dies of it)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

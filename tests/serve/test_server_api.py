@@ -1,0 +1,228 @@
+"""The OpenAI API of a real server: what a client gets equals what `generate()` gives, with the
+usage and speculation figures right, streaming or not, with several clients at once."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from onlinespec.decoding.sampling import SamplingParams
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three primes."}]
+
+
+def check_figures(body: dict, completion_tokens: int) -> dict:
+    spec = body["metrics"]["speculative_decoding"]
+    assert spec["num_drafts"] == sum(spec["acceptance_histogram"])
+    assert spec["num_accepted_tokens"] == sum(spec["num_accepted_tokens_per_pos"])
+    assert spec["num_accepted_tokens"] == sum(n * count for n, count in enumerate(spec["acceptance_histogram"]))
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_judged_tokens"] <= spec["num_draft_tokens"]
+    if spec["num_drafts"]:
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    # every emitted token is an accepted proposal or the target's own, one per target forward
+    assert spec["num_accepted_tokens"] <= completion_tokens
+    assert spec["draft"] and spec["draft_version"].startswith("v")
+    return spec
+
+
+def test_chat_and_completions_equal_generate_streaming_or_not(client, model, alone):
+    params = SamplingParams(max_new_tokens=24)
+    for messages in (MESSAGES, [{"role": "user", "content": "def add(a, b):"}]):
+        want = alone.generate(messages, params)
+        got = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].finish_reason == ("length" if want.stats.finish_reason == "length" else "stop")
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        check_figures(got.model_dump(), got.usage.completion_tokens)
+
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+        last = [c for c in chunks if c.choices][-1]
+        assert last.choices[0].finish_reason is not None
+        check_figures(last.model_dump(), len(want.token_ids))
+
+    prompt = "The capital of France is"
+    want = alone.generate(prompt, SamplingParams(max_new_tokens=20))
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids)
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_stop_strings_and_request_ids(client, model, alone, server):
+    prompt = "Once upon a time"
+    full = alone.generate(prompt, SamplingParams(max_new_tokens=30)).text
+    stop = full.split()[3]  # a word from the middle of the answer
+    want = alone.generate(prompt, SamplingParams(max_new_tokens=30, stop_strings=(stop,)))
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert got.choices[0].text == want.text and stop not in got.choices[0].text and got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=30,
+                                                                            temperature=0, stop=stop, stream=True))
+    assert streamed == want.text  # a stop string never leaks half-formed into a stream
+    response = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "my-request-7"},
+                          json={"model": model, "prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "my-request-7"
+
+
+def test_concurrent_clients_each_get_the_target_alones_text(client, model, alone):
+    prompts = [f"Item {i}: the {w} of" for i, w in enumerate(["colour", "weight", "price", "shape", "size", "age", "name", "taste"])]
+    lengths = [8, 30, 12, 40, 5, 25, 18, 33]  # different lengths: requests join and leave the batch mid-flight
+
+    def ask(i: int) -> str:
+        return client.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert got == [alone.generate(p, SamplingParams(max_new_tokens=n)).text for p, n in zip(prompts, lengths)]
+
+
+def test_a_seeded_sampled_request_is_reproducible_and_train_false_is_never_stored(client, model, server):
+    ask = lambda seed: client.completions.create(  # noqa: E731
+        model=model, prompt="Roses are", max_tokens=16, temperature=0.9, top_p=0.95, seed=seed,
+        extra_body={"train": False, "domain": "poetry"}).choices[0].text
+    assert ask(3) == ask(3)
+    from onlinespec.online.buffer import ReplayBuffer
+
+    folder = server.out_dir / "buffer" / "poetry"
+    assert not folder.exists() or len(ReplayBuffer(folder)) == 0
+
+
+def test_served_sampling_follows_the_target_distribution(server, model, alone):
+    """First tokens of 400 seeded requests (temperature 1, top_k 5: the tiny target's distribution
+    is flat over its whole vocabulary) against the target's own sampling distribution:
+    chi-square over the 5 tokens, 4 degrees of freedom; fails below p = 0.001. Seeds 0..399."""
+    from onlinespec.decoding.sampling import logits_to_probs
+
+    prompt, n = "A", 400
+    with torch.no_grad():
+        logits = alone.target(torch.tensor([alone.encode(prompt)])).logits[0, -1].float()
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=5))
+    top = probs.topk(5).indices.tolist()
+    words = [alone.tokenizer.decode([t], skip_special_tokens=True) for t in top]
+    assert len(set(words)) == 5
+
+    def first(seed: int) -> str:
+        body = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 1.0,
+                                                                "top_k": 5, "seed": seed, "train": False}, timeout=30).json()
+        return body["choices"][0]["text"]
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(first, range(n)))
+    counts = [texts.count(w) for w in words]
+    assert sum(counts) == n
+    expected = [n * probs[t].item() for t in top]
+    statistic = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
+    assert statistic < 18.47, (counts, [round(e, 1) for e in expected])
+
+
+def test_metrics_parse_and_agree_with_the_responses(server, model):
+    def counters() -> dict:
+        text = httpx.get(server.url + "/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("domain") == "metrics-test":
+                    out[sample.name] = out.get(sample.name, 0) + sample.value
+        return out
+
+    before = counters()
+    sent = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "tokens": 0}
+    for i in range(5):
+        body = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"Count to {i}:", "max_tokens": 12,
+                                                                "temperature": 0, "domain": "metrics-test"}).json()
+        spec = body["metrics"]["speculative_decoding"]
+        sent["drafts"] += spec["num_drafts"]
+        sent["draft_tokens"] += spec["num_draft_tokens"]
+        sent["accepted"] += spec["num_accepted_tokens"]
+        sent["tokens"] += body["usage"]["completion_tokens"]
+    after = counters()
+    delta = lambda name: after.get(f"onlinespec:{name}_total", 0) - before.get(f"onlinespec:{name}_total", 0)  # noqa: E731
+    assert delta("spec_decode_num_drafts") == sent["drafts"]
+    assert delta("spec_decode_num_draft_tokens") == sent["draft_tokens"]
+    assert delta("spec_decode_num_accepted_tokens") == sent["accepted"] == delta("spec_decode_num_accepted_tokens_per_pos")
+    assert delta("generation_tokens") == sent["tokens"]
+    names = {f.name for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    assert {"onlinespec:e2e_request_latency_seconds", "onlinespec:time_to_first_token_seconds",
+            "onlinespec:inter_token_latency_seconds", "onlinespec:num_requests_running", "onlinespec:num_requests_waiting",
+            "onlinespec:draft_version_info", "onlinespec:buffer_records"} <= names
+
+
+def test_the_admin_api_lists_pauses_updates_rolls_back_and_pins(server, model):
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer admin-secret"}, timeout=60)
+    for i in range(4):  # the draft of domain "admin-test" exists once it served a request
+        httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"x{i} =", "max_tokens": 6,
+                                                         "temperature": 0, "domain": "admin-test"}).raise_for_status()
+    wait_idle(admin)
+    draft = {d["name"]: d for d in admin.get("/admin/drafts").json()["drafts"]}["admin-test"]
+    assert draft["learning"] and draft["current"] in [v["version"] for v in draft["versions"]]
+    assert admin.post("/admin/learning/pause").json()["paused"] is True
+    assert admin.post("/admin/learning/resume").json()["paused"] is False
+    assert admin.post("/admin/drafts/admin-test/update").json()["started"] is True
+    wait_idle(admin)
+    versions = [v["version"] for v in {d["name"]: d for d in admin.get("/admin/drafts").json()["drafts"]}["admin-test"]["versions"]]
+    assert len(versions) >= 2  # the starting draft and at least one published update (the gate passes on this model)
+    rolled = admin.post("/admin/drafts/admin-test/rollback").json()["version"]
+    assert rolled == admin.get("/admin/drafts").json()["drafts"][0]["current"] or rolled in versions
+    pinned = admin.post("/admin/drafts/admin-test/pin", json={"version": versions[0]}).json()
+    assert pinned == {"draft": "admin-test", "version": versions[0], "pinned": True}
+    for i in range(4):  # learning goes on, but nothing is published while pinned
+        httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"y{i} =", "max_tokens": 6,
+                                                         "temperature": 0, "domain": "admin-test"}).raise_for_status()
+    admin.post("/admin/drafts/admin-test/update")
+    wait_idle(admin)
+    state = {d["name"]: d for d in admin.get("/admin/drafts").json()["drafts"]}["admin-test"]
+    assert state["current"] == versions[0] and state["pinned"] and state["updates"][-1]["outcome"] in ("pinned", "refused")
+    served = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "z =", "max_tokens": 4, "temperature": 0,
+                                                              "domain": "admin-test"}).json()
+    assert served["metrics"]["speculative_decoding"]["draft_version"] == versions[0]
+    assert admin.post("/admin/drafts/admin-test/pin", json={"version": None}).json()["pinned"] is False
+
+
+def wait_idle(admin: httpx.Client, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(d.get("busy") for d in admin.get("/admin/drafts").json()["drafts"]):
+        assert time.monotonic() < deadline, "an update ran past the test's limit"
+        time.sleep(0.1)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, model):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "Tell a long story:", "max_tokens": 200, "temperature": 0,
+                            "stream": True, "ignore_eos": True, "domain": "disconnect-test"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    events = server.out_dir / "events.jsonl"
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        logged = [json.loads(line) for line in events.read_text().splitlines()]
+        cancelled = [e for e in logged if e["event"] == "cancelled" and e["draft"] == "disconnect-test"]
+        if cancelled:
+            break
+        time.sleep(0.05)
+    assert cancelled and cancelled[0]["new_tokens"] < 200  # dropped before its end, not served to the end
+    assert not any(e["event"] == "request" and e["draft"] == "disconnect-test" for e in logged)  # nothing recorded
+    running = [s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+               if f.name == "onlinespec:num_requests_running" for s in f.samples]
+    assert running == [0.0]
+
+
+def test_health_ready_models(server, model):
+    assert httpx.get(server.url + "/health").json()["status"] == "alive"
+    ready = httpx.get(server.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["model"] == model
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == model
