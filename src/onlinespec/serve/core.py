@@ -15,6 +15,12 @@ Threads::
 
 A failure inside a step fails the requests of that step with a clear error, resets the batch
 cache and the loop goes on; an update that fails publishes nothing. Neither stops the service.
+
+One thread runs the model: the engine loop also loads the target and measures its cost curve,
+and every other thread that touches a tensor runs one torch thread. With OpenMP, each thread that
+ever ran a parallel op keeps a team of workers for life; once the process holds more workers than
+cores, every team's workers stop spinning between ops and the engine's forwards ran 1.7x slower
+here (a calibration left on the main thread was enough).
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
@@ -221,6 +230,8 @@ class ServingCore:
         self._wake = threading.Condition()
         self._handles: dict[int, Handle] = {}
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
+        self._routes: dict[str, Draft] = {}  # domain -> its draft, once routed
         self._stopping = False
         self._served = 0
         self._recent_seconds = 1.0  # moving average of request seconds (Retry-After)
@@ -233,14 +244,26 @@ class ServingCore:
         return self.status == "ready"
 
     def load(self) -> None:
-        """Load the target and the drafts, measure the cost curve, start the threads. Blocking
-        (seconds to a minute); the server runs it in the background and answers /ready when done."""
+        """Load the target and the drafts, measure the cost curve, start serving: on the engine
+        thread, blocking until done (seconds to a minute). The server calls it in the background
+        and answers /ready when it returns."""
+        loaded = threading.Event()
+        self._loop_thread = threading.Thread(target=self._run, args=(loaded,), name="onlinespec-engine", daemon=True)
+        self._loop_thread.start()
+        loaded.wait()
+        if self.status == "failed":
+            raise RuntimeError(f"the serving core failed to load: {self.error}")
+
+    def _run(self, loaded: threading.Event) -> None:
         try:
             self._load()
         except Exception as err:
             self.status, self.error = "failed", f"{type(err).__name__}: {err}"
             self.event({"event": "load_failed", "error": self.error})
-            raise
+            return
+        finally:
+            loaded.set()
+        self._loop()
 
     def _load(self) -> None:
         config = self.config
@@ -273,9 +296,7 @@ class ServingCore:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch})
-        self._loop_thread = threading.Thread(target=self._loop, name="onlinespec-engine", daemon=True)
         self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
-        self._loop_thread.start()
         self._recorder_thread.start()
         self.status = "ready"
 
@@ -283,7 +304,10 @@ class ServingCore:
         """Refuse new requests, let those in flight finish (at most ``drain_seconds``, then they
         fail), write every finished request's records, abandon an update in flight without
         publishing, and stop the threads."""
-        if self.status in ("stopped", "starting", "failed"):
+        if self.status in ("loading", "calibrating"):  # stopped while loading: the loop ends once loaded
+            self._stopping = True
+            self._loop_thread.join(300)
+        if self.status != "ready":
             self.status = "stopped"
             return
         self.status, self._stopping = "draining", True
@@ -295,6 +319,8 @@ class ServingCore:
         with self._wake:
             self._wake.notify_all()
         self._loop_thread.join(60)
+        while not self._calls.empty():  # calls that came too late for the engine thread
+            self._calls.get_nowait()[1].set_exception(Unavailable("the server is shutting down"))
         self._finished.put(None)
         self._recorder_thread.join(60)
         for learner in self.pool.learners:
@@ -373,9 +399,31 @@ class ServingCore:
             self._wake.notify()
         return handle
 
+    def _on_engine(self, fn: Callable):
+        """Run ``fn`` on the engine thread between two steps and return its result (model work:
+        a new draft's weights, a rollback's), so that one thread runs the model."""
+        if threading.current_thread() is self._loop_thread:
+            return fn()
+        future: Future = Future()
+        self._calls.put((fn, future))
+        with self._wake:
+            self._wake.notify()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get_nowait()
+            try:
+                future.set_result(fn())
+            except BaseException as err:
+                future.set_exception(err)
+
     def _draft(self, domain: str, name: str | None) -> Draft:
-        if name is None:
-            return self.pool.route(domain)
+        if name is None:  # a domain keeps its draft once routed: only a new one waits for the engine thread
+            draft = self._routes.get(domain)
+            if draft is None:
+                draft = self._routes[domain] = self._on_engine(lambda: self.pool.route(domain))
+            return draft
         if name in self.baselines:
             return self.baselines[name]
         if name in self.pool.drafts:
@@ -406,11 +454,14 @@ class ServingCore:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self.scheduler.has_work and not self._stopping:
+                while not self.scheduler.has_work and not self._stopping and self._calls.empty():
                     self._wake.wait(0.25)
                     self._expire()
+            self._run_calls()
             if self._stopping and not self.scheduler.has_work:
                 return
+            if not self.scheduler.has_work:
+                continue
             self._expire()
             try:
                 advanced, report = self.scheduler.step()
@@ -464,6 +515,7 @@ class ServingCore:
     # ---- recording (one thread) ------------------------------------------------------------------
 
     def _record_loop(self) -> None:
+        torch.set_num_threads(1)  # see the module docstring: the engine thread keeps the cores
         while (handle := self._finished.get()) is not None:
             try:
                 self._complete(handle)
@@ -565,9 +617,12 @@ class ServingCore:
                     raise ServeError("an update is already running: wait for it (GET /admin/drafts shows it busy)", code="busy")
                 result = {"draft": name, "started": True}
             elif action == "rollback":
-                result = {"draft": name, "version": self.pool.rollback(name)}
+                self.pool.learned(name).learner.stop()  # here, so that the engine never waits for an update to end
+                result = {"draft": name, "version": self._on_engine(lambda: self.pool.rollback(name))}
             elif action == "pin":
-                self.pool.pin(name, version)
+                if version is not None:
+                    self.pool.learned(name).learner.stop()
+                self._on_engine(lambda: self.pool.pin(name, version))
                 result = {"draft": name, "version": self.pool.drafts[name].learner.registry.current(), "pinned": version is not None}
             else:
                 raise ServeError(f"unknown action {action!r}")
