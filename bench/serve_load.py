@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOMAINS = ("chat", "code", "math_ml")
 SERVERS = {"speculative": ["--static"], "target_alone": ["--draft", "none"]}
 
 
@@ -119,6 +120,19 @@ def summarize(runs: dict, args, queries) -> dict:
     return summary
 
 
+def held_out(n: int) -> list:
+    """``n`` held-out requests (never used in warm-up), chat, code and maths in 23 languages in turn."""
+    import random
+
+    from onlinespec.data.sources import stream_pools
+    from onlinespec.data.streams import split
+
+    pools = {d: split(q, "heldout") for d, q in stream_pools(DOMAINS).items()}
+    for d, pool in pools.items():
+        random.Random(f"0:{d}").shuffle(pool)
+    return [pools[DOMAINS[i % len(DOMAINS)]][i // len(DOMAINS)] for i in range(n)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=200)
@@ -130,11 +144,10 @@ def main() -> None:
     args = parser.parse_args()
     args.levels = [int(n) for n in args.levels.split(",")]
     from onlinespec.benchmark import plot_concurrency
-    from onlinespec.data.sources import packaged_prompts
 
     path = args.out.with_suffix(".json")
     if not args.report_only:
-        queries = packaged_prompts(args.n, seed=0, split="heldout")
+        queries = held_out(args.n)
         args.work.mkdir(parents=True, exist_ok=True)
         runs = {name: serve_levels(name, args, queries, args.work) for name in SERVERS}
         summary = summarize(runs, args, queries)

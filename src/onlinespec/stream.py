@@ -9,10 +9,10 @@ online``), :class:`HTTPClient` sends through the OpenAI API of a running server 
 Side-by-side comparison (``compare_every = N``): every N-th request (a probe) is also served by the
 STARTING draft kept static (draft ``"static"``), right before or after the online one (alternately),
 under the same load. After the stream, learning is paused, the update in flight ends, and the
-probes are served again at the same concurrency, once by the static draft and once by the target
-alone (draft ``"none"``): the target alone runs in batches of its own, as a server without
-speculation would, and the static draft's two passes give the serving throughput kept while the
-learner runs, with the work held fixed.
+probes are served again at the same concurrency: first in the same pairs (the online draft, by
+name and not learnt from, beside the static draft), so that the static draft's two passes differ
+in the learner only and give the serving throughput kept while it runs; then by the target alone
+(draft ``"none"``), in batches of its own, as a server without speculation would run them.
 
 Each request's row (``on_request``) comes after its training record is in the durable buffer: a
 reported request is an acknowledged one.
@@ -60,13 +60,14 @@ class StreamClient(Protocol):
         """Every update of every draft, in the order they ended."""
 
 
-def stream_row(text: str, figures: dict, new_tokens: int, seconds: float) -> dict:
-    """A served request's row: ``figures`` is :meth:`Served.figures` (the response's ``metrics``, flattened)."""
+def stream_row(text: str, metrics: dict, new_tokens: int, seconds: float) -> dict:
+    """A served request's row, from its response's ``metrics`` (:meth:`Served.metrics`)."""
+    spec = metrics["speculative_decoding"]
     return {
-        "text": text, "acceptance_rate": figures["alpha"], "tau": figures["tokens_per_target_forward"],
-        "accepted": figures["num_accepted_tokens"], "judged": figures["num_judged_tokens"], "new_tokens": new_tokens,
-        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "draft": figures["draft"],
-        "draft_version": figures["draft_version"], "learner_busy": figures["learner_busy"],
+        "text": text, "acceptance_rate": spec["alpha"], "tau": spec["tokens_per_target_forward"],
+        "accepted": spec["num_accepted_tokens"], "judged": spec["num_judged_tokens"], "new_tokens": new_tokens,
+        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "draft": spec["draft"],
+        "draft_version": spec["draft_version"], "learner_busy": metrics["learner_busy"],
     }
 
 
@@ -83,7 +84,7 @@ class CoreClient:
                                   draft=draft, request_id=query.id, max_tokens=max_new_tokens)
         served: Served = handle.result()
         seconds = time.perf_counter() - started  # what the client waited, recording included
-        return stream_row(served.text, served.figures(), served.completion_tokens, seconds)
+        return stream_row(served.text, served.metrics(), served.completion_tokens, seconds)
 
     def settle(self) -> None:
         if self.core.config.learning:
@@ -120,9 +121,7 @@ class HTTPClient:
             response = self.openai.completions.create(prompt=query.prompt, **common)
             text = response.choices[0].text
         seconds = time.perf_counter() - started
-        metrics = dict(response.model_extra["metrics"])
-        figures = {**metrics.pop("speculative_decoding"), **metrics}
-        return stream_row(text, figures, response.usage.completion_tokens, seconds)
+        return stream_row(text, response.model_extra["metrics"], response.usage.completion_tokens, seconds)
 
     def settle(self) -> None:
         state = self.admin.get("/admin/drafts").raise_for_status().json()
@@ -171,23 +170,39 @@ def drive(
     every = config.compare_every
     budget = lambda q: q.max_new_tokens or config.max_new_tokens  # noqa: E731
 
+    def pair(i: int, online_draft: str | None = None) -> tuple[dict, dict]:
+        """Request ``i`` served by ``online_draft`` (default: routed, and learnt from) and by the static
+        draft, the static one first on every other probe."""
+        query = queries[i]
+        static = client.serve(query, budget(query), STATIC) if (i // every) % 2 else None
+        online = client.serve(query, budget(query), online_draft)
+        return online, static or client.serve(query, budget(query), STATIC)
+
     def serve(i: int) -> None:
         query = queries[i]
-        probe = bool(every) and i % every == 0
-        static_first = probe and (i // every) % 2 == 1  # on every other probe the static draft goes first
-        static = client.serve(query, budget(query), STATIC) if static_first else None
-        online = client.serve(query, budget(query))
-        if probe and not static_first:
-            static = client.serve(query, budget(query), STATIC)
-        row = {"i": i, "id": query.id, "domain": query.domain, **online, "time": time.time()}
-        if probe:
-            row["static"] = {k: static[k] for k in STATS}
-            row["static_text"] = static["text"]
+        if every and i % every == 0:
+            online, static = pair(i)
+            row = {"i": i, "id": query.id, "domain": query.domain, **online, "static": {k: static[k] for k in STATS},
+                   "texts": {STATIC: static["text"]}}
+        else:
+            row = {"i": i, "id": query.id, "domain": query.domain, **client.serve(query, budget(query))}
+        row["time"] = time.time()
         with lock:
             rows.append(row)
             row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]], MOVING_AVERAGE)[-1]
             if on_request:
                 on_request(row)
+
+    def learning_off(row: dict) -> None:
+        """A probe again, learning paused, in the same pairing as before: the static draft's two
+        passes differ in the learner only."""
+        online, static = pair(row["i"], row["draft"])
+        row["online_learning_off"], row["static_learning_off"] = ({k: out[k] for k in STATS} for out in (online, static))
+
+    def target_alone(row: dict) -> None:
+        out = client.serve(queries[row["i"]], budget(queries[row["i"]]), TARGET_ALONE)
+        row["target_alone"] = {k: out[k] for k in STATS}
+        row["texts"][TARGET_ALONE] = out["text"]
 
     with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
         list(pool.map(serve, range(len(queries))))  # re-raises the first failed request
@@ -196,20 +211,13 @@ def drive(
     if probes:
         say("learning paused: waiting for the update in flight to end")
         client.settle()
-        for key, draft in (("static_learning_off", STATIC), ("target_alone", TARGET_ALONE)):
-            say(f"serving the {len(probes)} compared requests again, {'static draft' if draft == STATIC else 'target alone'}, learning off")
-            by_id = {r["i"]: r for r in probes}
-
-            def again(row: dict, key: str = key, draft: str = draft) -> None:
-                query = queries[row["i"]]
-                out = client.serve(query, budget(query), draft)
-                by_id[row["i"]][key] = {k: out[k] for k in STATS}
-                by_id[row["i"]].setdefault("texts", {})[draft] = out["text"]
-
+        for step, what in ((learning_off, "online and static drafts"), (target_alone, "target alone")):
+            say(f"serving the {len(probes)} compared requests again, learning paused: {what}")
             with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
-                list(pool.map(again, probes))
+                list(pool.map(step, probes))
         for r in probes:  # greedy: the online system, the static draft and the target alone agree
-            r["identical"] = r["text"] == r.pop("static_text") == r["texts"][STATIC] == r.pop("texts")[TARGET_ALONE]
+            texts = r.pop("texts")
+            r["identical"] = r["text"] == texts[STATIC] == texts[TARGET_ALONE]
     for r in rows:
         r.pop("text", None)
     return summarize(rows, config, client.updates())

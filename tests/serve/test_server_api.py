@@ -220,6 +220,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, model):
     assert running == [0.0]
 
 
+def test_request_logs_hold_no_text(server, model):
+    secret = "zebra-quartz-7731"
+    httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"The password is {secret}.", "max_tokens": 4})
+    log = (server.out_dir.parent / "run.log").read_text()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "request"')]
+    assert lines and {"id", "domain", "draft", "draft_version", "completion_tokens", "alpha", "seconds"} <= set(lines[-1])
+    assert secret not in log and secret not in (server.out_dir / "events.jsonl").read_text()
+
+
 def test_health_ready_models(server, model):
     assert httpx.get(server.url + "/health").json()["status"] == "alive"
     ready = httpx.get(server.url + "/ready")

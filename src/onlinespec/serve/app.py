@@ -300,7 +300,7 @@ class Shape:
     def response(self, served: Served) -> dict:
         choice = {"index": 0, "finish_reason": served.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": served.text}} if self.chat else {"text": served.text})
-        return {**self._head(False), "choices": [choice], "usage": usage(served), "metrics": metrics(served)}
+        return {**self._head(False), "choices": [choice], "usage": usage(served), "metrics": served.metrics()}
 
     def chunk(self, text: str = "", role: bool = False, finish: Served | None = None) -> dict:
         if self.chat:
@@ -310,7 +310,7 @@ class Shape:
             choice = {"index": 0, "text": text, "finish_reason": finish.finish_reason if finish else None, "logprobs": None}
         out = {**self._head(True), "choices": [choice]}
         if finish is not None:
-            out["metrics"] = metrics(finish)
+            out["metrics"] = finish.metrics()
         return out
 
     def usage_chunk(self, served: Served) -> dict:
@@ -320,13 +320,3 @@ class Shape:
 def usage(served: Served) -> dict:
     return {"prompt_tokens": served.prompt_tokens, "completion_tokens": served.completion_tokens,
             "total_tokens": served.prompt_tokens + served.completion_tokens}
-
-
-def metrics(served: Served) -> dict:
-    """The request's figures: vLLM's per-request speculation figures, and what served it."""
-    figures = served.figures()
-    spec_keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_judged_tokens", "num_accepted_tokens_per_pos", "acceptance_histogram",
-                 "mean_acceptance_length", "draft_acceptance_rate", "alpha", "tokens_per_target_forward",
-                 "draft", "draft_version", "draft_versions")
-    return {"speculative_decoding": {k: figures[k] for k in spec_keys},
-            **{k: v for k, v in figures.items() if k not in spec_keys}}

@@ -150,10 +150,12 @@ class Served:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    def figures(self) -> dict:
-        """The request's speculation figures (vLLM's per-request shape) and what served it."""
-        return {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
-                "draft_versions": self.draft_versions, "domain": self.domain, "learner_busy": self.learner_busy,
+    def metrics(self) -> dict:
+        """A response's ``metrics``: the request's speculation figures in vLLM's per-request shape
+        with the draft and version that served it, and its timings."""
+        spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
+                "draft_versions": self.draft_versions}
+        return {"speculative_decoding": spec, "domain": self.domain, "learner_busy": self.learner_busy,
                 "queued_seconds": self.stats.queued_seconds, "time_to_first_token_seconds": self.stats.first_token_seconds,
                 "seconds": self.stats.seconds}
 
@@ -539,8 +541,7 @@ class ServingCore:
         served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
                         draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
                         self.pool.busy, recorded)
-        figures = speculative_decoding(stats)
-        self.metrics.request(draft.name, draft.version, handle.domain, stats, figures)
+        self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
         self.metrics.serving(draft.name, draft.version)
         if draft.learner is not None:
             buffer = draft.learner.buffer

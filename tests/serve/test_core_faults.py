@@ -1,0 +1,61 @@
+"""Faults inside the serving core never stop it: a step that raises fails only its requests, an
+update that raises publishes nothing and is counted, and the next requests are served."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.serve.core import CoreConfig, Failed, ServingCore
+
+
+@pytest.fixture
+def core(tiny_target_folder, tmp_path):
+    config = CoreConfig(target=str(tiny_target_folder), draft="target-layers:1", k=2, kernels=False, adaptive_k=False,
+                        learner=LearnerConfig(update_interval=2, steps_per_update=2, batch_size=4, priority="normal"))
+    core = ServingCore(config, tmp_path / "run")
+    core.load()
+    yield core
+    core.shutdown(drain_seconds=5)
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_next_ones_are_served(core):
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want = core.submit("def f(x):", params).result().text
+    step, calls = core.engine.step, []
+
+    def broken(active):
+        calls.append(len(active))
+        if len(calls) == 2:  # mid-request: the batch cache holds this request's rows
+            raise RuntimeError("injected fault")
+        return step(active)
+
+    core.engine.step = broken
+    with pytest.raises(Failed, match="injected fault"):
+        core.submit("def f(x):", params).result()
+    core.engine.step = step
+    assert core.submit("def f(x):", params).result().text == want  # a fresh batch cache, the same answer
+    assert core.metrics.registry.get_sample_value("onlinespec:request_failure_total", {"reason": "internal_error"}) == 1
+
+
+def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    core.submit("x =", params, domain="code").result()
+    learner = core.pool.drafts["code"].learner
+
+    def broken():
+        raise MemoryError("injected: the update ran out of memory")
+
+    learner._run_update = broken
+    core.submit("y =", params, domain="code").result()  # the second request makes the update due
+    deadline = time.monotonic() + 30
+    while not learner.failures:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    learner.wait()
+    assert "MemoryError" in learner.failures[0] and learner.registry.versions() == ["v0001"]
+    assert core.metrics.registry.get_sample_value("onlinespec:learner_updates_total", {"draft": "code", "outcome": "failed"}) == 1
+    assert core.submit("z =", params, domain="code").result().completion_tokens == 8
