@@ -81,8 +81,9 @@ def main() -> None:
         with ServerProcess(server_args, log=args.work / "server.log") as server:
             result = drive(queries, HTTPClient(server.url, admin_key=key), config, progress, lambda text: print(text, flush=True))
         events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-        published = [{"draft": e["draft"], "version": e["version"], "after_request": e["requests_served"], "seconds": e["seconds"]}
-                     for e in events if e["event"] == "update" and e["version"]]
+        served_at = sorted(r["time"] for r in result["requests"])  # when each stream request was answered
+        published = [{"draft": e["draft"], "version": e["version"], "after_request": sum(t < e["time"] for t in served_at),
+                      "seconds": e["seconds"]} for e in events if e["event"] == "update" and e["version"]]
         result.update(command=" ".join(["python", *sys.argv]), machine={**machine_info(), "date": time.strftime("%Y-%m-%d")},
                       server_args=[a if a != key else "***" for a in server_args], wall_seconds=time.time() - started,
                       published_while_serving=[p for p in published if p["after_request"] < len(queries)],

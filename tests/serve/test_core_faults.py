@@ -23,8 +23,8 @@ def core(tiny_target_folder, tmp_path):
 
 
 def test_a_step_that_raises_fails_its_requests_and_the_next_ones_are_served(core):
-    params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    want = core.submit("def f(x):", params).result().text
+    params = SamplingParams(temperature=0.0)
+    want = core.submit("def f(x):", params, max_tokens=8).result().text
     step, calls = core.engine.step, []
 
     def broken(active):
@@ -35,22 +35,22 @@ def test_a_step_that_raises_fails_its_requests_and_the_next_ones_are_served(core
 
     core.engine.step = broken
     with pytest.raises(Failed, match="injected fault"):
-        core.submit("def f(x):", params).result()
+        core.submit("def f(x):", params, max_tokens=8).result()
     core.engine.step = step
-    assert core.submit("def f(x):", params).result().text == want  # a fresh batch cache, the same answer
+    assert core.submit("def f(x):", params, max_tokens=8).result().text == want  # a fresh batch cache, the same answer
     assert core.metrics.registry.get_sample_value("onlinespec:request_failure_total", {"reason": "internal_error"}) == 1
 
 
 def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
-    params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    core.submit("x =", params, domain="code").result()
+    params = SamplingParams(temperature=0.0)
+    core.submit("x =", params, domain="code", max_tokens=8).result()
     learner = core.pool.drafts["code"].learner
 
     def broken():
         raise MemoryError("injected: the update ran out of memory")
 
     learner._run_update = broken
-    core.submit("y =", params, domain="code").result()  # the second request makes the update due
+    core.submit("y =", params, domain="code", max_tokens=8).result()  # the second request makes the update due
     deadline = time.monotonic() + 30
     while not learner.failures:
         assert time.monotonic() < deadline
@@ -58,4 +58,4 @@ def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
     learner.wait()
     assert "MemoryError" in learner.failures[0] and learner.registry.versions() == ["v0001"]
     assert core.metrics.registry.get_sample_value("onlinespec:learner_updates_total", {"draft": "code", "outcome": "failed"}) == 1
-    assert core.submit("z =", params, domain="code").result().completion_tokens == 8
+    assert core.submit("z =", params, domain="code", max_tokens=8).result().completion_tokens == 8

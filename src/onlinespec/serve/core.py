@@ -370,8 +370,9 @@ class ServingCore:
     ) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
-        ``max_tokens`` overrides ``params.max_new_tokens`` after the context check (None: the
-        default, within the context). ``draft``: serve with this draft by name (``"static"``: the
+        ``max_tokens`` is the request's budget, as in the OpenAI API (``params.max_new_tokens`` is
+        not read): checked against the context left; None gives ``default_max_tokens``, within
+        the context. ``draft``: serve with this draft by name (``"static"``: the
         starting draft kept static, when offered; ``"none"``: the target alone; a pool draft's
         name) instead of the router's choice; such requests train nothing unless the draft is
         the router's own. ``train=False``: never stored, never trained on.
