@@ -329,7 +329,7 @@ def demo(
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     admin_key = secrets.token_hex(16)
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
-            "--admin-key", admin_key, "--max-batch", str(max(concurrency, 1)), "--default-max-tokens", str(max_new_tokens)]
+            "--admin-key", admin_key, "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens)]
     title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"
     config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every)
     (out_dir / "run").mkdir(parents=True)

@@ -95,11 +95,8 @@ class SpeculativeDecoder:
             scheduler.step()
             if not request.new_tokens and not request.finished:
                 continue  # a prompt chunk: nothing to show yet
-            text = request.stop.text()
-            if not request.finished:
-                text = hold_back(text, params.stop_strings)
-            yield StreamChunk(request.new_tokens, text[len(emitted):], request.stats if request.finished else None)
-            emitted = max(emitted, text, key=len)
+            delta, emitted = text_delta(request, emitted)
+            yield StreamChunk(request.new_tokens, delta, request.stats if request.finished else None)
 
     # ---- many requests --------------------------------------------------------------------
 
@@ -144,6 +141,15 @@ class SpeculativeDecoder:
         if needs_tokenizer and self.tokenizer is None:
             raise ValueError("this decoder has no tokenizer: pass token ids, or build it with one")
         return encode_prompt(self.tokenizer if needs_tokenizer else None, prompt)
+
+
+def text_delta(request: RequestState, emitted: str) -> tuple[str, str]:
+    """(the text a request's last step adds to ``emitted``, the text emitted after it): a
+    partial character, or what may be the start of a stop string, waits for the next step."""
+    text = request.stop.text()
+    if not request.finished:
+        text = hold_back(text, request.params.stop_strings)
+    return text[len(emitted):], max(emitted, text, key=len)
 
 
 def hold_back(text: str, stop_strings: tuple[str, ...]) -> str:

@@ -135,10 +135,6 @@ class DraftPool:
                 raise ValueError(f"draft {name!r} has {len(learner.buffer)} records: an update needs at least 2")
             return learner.update_now()
 
-    def serve_version(self, name: str, version: str) -> None:
-        """Serve ``version`` of draft ``name`` from the next step (abandons its update in flight)."""
-        self.learned(name).learner.serve_version(version)
-
     def rollback(self, name: str) -> str:
         """Serve the current version's parent; return it."""
         learner = self.learned(name).learner
@@ -152,9 +148,8 @@ class DraftPool:
     def pin(self, name: str, version: str | None) -> None:
         """Serve ``version`` and publish no update (learning goes on); ``None`` unpins."""
         learner = self.learned(name).learner
-        if version is not None:
-            if version != learner.registry.current():
-                learner.serve_version(version)
+        if version is not None and version != learner.registry.current():
+            learner.serve_version(version)
         learner.pinned = version is not None
 
     @property

@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -87,10 +86,6 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
         error.status = err.status_code
         return error_response(error)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, err: RequestValidationError):
-        return error_response(ServeError(str(err)))
-
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         error = ServeError(f"internal error: {type(err).__name__}: {err}")
@@ -131,7 +126,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
             raise NotFound(f"model {body.model!r} is not served here: use {settings.model_name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
         prompt = body.prompt() if chat else body.text()
-        params, max_tokens = body.sampling(body.limits())
+        params, max_tokens = body.sampling(), body.limits()
         loop, wake = asyncio.get_running_loop(), asyncio.Event()
 
         def notify() -> None:
@@ -141,7 +136,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
                 pass
 
         handle = await asyncio.to_thread(core.submit, prompt, params, body.domain or "default", body.train, body.draft,
-                                         request_id, max_tokens, notify)
+                                         request_id, max_tokens, notify, body.stream)
         shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name)
         headers = {"X-Request-Id": request_id}
         if body.stream:

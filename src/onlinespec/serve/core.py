@@ -40,12 +40,12 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K, engine_options, make_proposer
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
 from onlinespec.decoding.request import Generation, RequestState, RequestStats
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
-from onlinespec.decoding.speculative import hold_back
+from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
@@ -65,7 +65,7 @@ class CoreConfig:
     target: str = "default"
     draft: str = DEFAULT_DRAFT
     k: int = DEFAULT_K
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     learn: bool = True  # update the drafts online (off: serve them static)
     buffer_policy: str = "window"
     buffer_records: int = 2000
@@ -170,14 +170,15 @@ _request_ids = itertools.count()
 
 
 class Handle:
-    """A submitted request: its events (:class:`Delta`, then a :class:`Served` or a
-    :class:`ServeError`) in order. ``notify`` is called from the core's threads after each event
+    """A submitted request: its events (with ``stream``, a :class:`Delta` per step; then a
+    :class:`Served` or a :class:`ServeError`) in order. ``notify`` is called from the core's threads after each event
     (an asyncio server passes ``loop.call_soon_threadsafe``-based wake-ups)."""
 
     def __init__(self, core: ServingCore, state: RequestState, draft: Draft, domain: str, train: bool, request_id: str,
-                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "") -> None:
+                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "", stream: bool = False) -> None:
         self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
         self.request_id, self.deadline, self.notify, self.prompt_text = request_id, deadline, notify, prompt_text
+        self.stream = stream  # send a Delta after every step (else only the end)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.emitted = ""  # text sent so far
         self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
@@ -279,14 +280,13 @@ class ServingCore:
         speculative = config.draft != "none"
         options = engine_options(self.target, config.k, adaptive=config.adaptive_k, kernels=config.kernels,
                                  max_batch=config.max_batch) if speculative else {}
-        self.curve = options.get("cost_curve")
         adaptive = options.get("adaptive_k")
 
         def new_draft():
             """A fresh starting draft with acceptance statistics of its own."""
             return make_proposer(config.draft, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
 
-        self.engine = SpeculativeEngine(model, self.eos, config.k if speculative else 0, cost_curve=self.curve,
+        self.engine = SpeculativeEngine(model, self.eos, config.k if speculative else 0, cost_curve=options.get("cost_curve"),
                                         pad=options.get("pad", False), prefill_chunk=config.prefill_chunk)
         self.scheduler = Scheduler(self.engine, config.max_batch)
         learning = config.learning
@@ -367,6 +367,7 @@ class ServingCore:
         request_id: str | None = None,
         max_tokens: int | None = None,
         notify: Callable[[], None] | None = None,
+        stream: bool = False,
     ) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
@@ -375,7 +376,9 @@ class ServingCore:
         the context. ``draft``: serve with this draft by name (``"static"``: the
         starting draft kept static, when offered; ``"none"``: the target alone; a pool draft's
         name) instead of the router's choice; such requests train nothing unless the draft is
-        the router's own. ``train=False``: never stored, never trained on.
+        the router's own. ``train=False``: never stored, never trained on. ``stream``: the
+        handle gets the new text after every step (decoding it costs the engine thread time,
+        so only streams ask for it).
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
@@ -395,7 +398,7 @@ class ServingCore:
                                  adaptive=chosen.adaptive, trace=[] if train else None)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
-                            notify, prompt if self.config.log_text else "")
+                            notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
             self.scheduler.submit(state)
         with self._wake:
@@ -490,12 +493,9 @@ class ServingCore:
                 for _ in state.new_tokens:
                     self.metrics.itl.observe((now - handle.last_emit) / len(state.new_tokens))
             handle.last_emit = now
-        text = state.stop.text()
-        if not state.finished:
-            text = hold_back(text, state.params.stop_strings)
-        if len(text) > len(handle.emitted) or state.new_tokens:
-            handle.emit(Delta(text[len(handle.emitted):], list(state.new_tokens)))
-            handle.emitted = max(handle.emitted, text, key=len)
+        if handle.stream and (state.new_tokens or state.finished):
+            delta, handle.emitted = text_delta(state, handle.emitted)
+            handle.emit(Delta(delta, list(state.new_tokens)))
         if state.finished:
             with self._lock:
                 self._handles.pop(state.id, None)

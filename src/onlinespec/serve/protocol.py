@@ -54,8 +54,8 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     logprobs: bool | int | None = None
 
-    def sampling(self, max_tokens: int | None) -> tuple[SamplingParams, int | None]:
-        """(sampling parameters, the max tokens asked, None when not given); 400 on what we cannot serve."""
+    def sampling(self) -> SamplingParams:
+        """The sampling parameters (the budget is :meth:`limits`'s); 400 on what we cannot serve."""
         if self.n != 1:
             raise ServeError(f"n = {self.n}: this server returns one choice per request; send n = 1 (or several requests)", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -70,10 +70,9 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ServeError(f"stop: give at most {MAX_STOP} non-empty strings", param="stop")
-        params = SamplingParams(max_new_tokens=max_tokens or 1, temperature=1.0 if self.temperature is None else self.temperature,
-                                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                                stop_strings=tuple(stops), seed=self.seed, ignore_eos=self.ignore_eos)
-        return params, max_tokens
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                              stop_strings=tuple(stops), seed=self.seed, ignore_eos=self.ignore_eos)
 
 
 class TextPart(BaseModel):
