@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_experiments import original_head, streams, teacher_signal  # noqa: E402
 
 from onlinespec.api import DEFAULT_HEAD, load_head  # noqa: E402
+from onlinespec.distill.loop import run_steps  # noqa: E402
 from onlinespec.distill.step import DistillConfig  # noqa: E402
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance  # noqa: E402
 from onlinespec.decoding.proposers.ngram import lookup  # noqa: E402
@@ -49,7 +50,7 @@ def main() -> None:
     index = [i for i, d in enumerate(signal.domains) if d == domain]
     head = load_head(DEFAULT_HEAD if packaged else original_head(target), target)
     static = head.clone()  # the starting head, never trained: each block's baseline
-    make = lambda: torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)  # noqa: E731
+    make = lambda: torch.optim.AdamW(head.parameters(), lr=lr)  # noqa: E731
     optimizer, generator, curve, baseline, started = make(), torch.Generator().manual_seed(0), [], [], time.time()
     alpha = lambda scored: sum(a for a, _ in scored) / sum(j for _, j in scored)  # noqa: E731
     sources = {"learned": {}, "static": {}}
@@ -63,9 +64,8 @@ def main() -> None:
             task.starts = task.starts[~ngram_covered(task.signal, task.starts)]
         if fresh:
             optimizer = make()
-        for _ in range(steps):
-            pick = torch.randint(len(task), (batch,), generator=generator)
-            task.step(head, optimizer, task.starts[pick].tolist(), DistillConfig())
+        batches = (task.starts[torch.randint(len(task), (batch,), generator=generator)].tolist() for _ in range(steps))
+        run_steps(head, optimizer, lambda model, opt, chunk: task.step(model, opt, chunk, DistillConfig()), batches)
     print(interval, steps, batch, lr, domain, "fresh" if fresh else "persistent", "packaged head" if packaged else "chat-only head", "hybrid" if hybrid else "head alone", "head rows only" if headrows else "all rows", " ".join(f"{c:.3f}" for c in curve),
           f"{time.time() - started:.0f} s")
     print("static head, same blocks:", " ".join(f"{c:.3f}" for c in baseline))

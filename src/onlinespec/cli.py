@@ -213,7 +213,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "buffer_records": (Annotated[int, typer.Option(min=1, help="the most records a draft's replay buffer keeps")], CoreConfig.buffer_records),
     "steps_per_update": (Annotated[int, typer.Option(min=1)], LearnerConfig.steps_per_update),
     "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
-    "lr": (float, LearnerConfig.lr),
+    "lr": (Annotated[float, typer.Option(help="learner learning rate (> 0)")], LearnerConfig.lr),
     "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
     "priority": (Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")], LearnerConfig.priority),
     "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
@@ -226,6 +226,10 @@ CORE_OPTIONS: dict[str, tuple] = {
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
     "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
+    "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
+    "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
+    "keep_versions": (Annotated[int, typer.Option(min=0, help="keep this many newest draft versions, plus the current one and its parent (0: keep all)")], LearnerConfig.keep_versions),
+    "max_failures": (Annotated[int, typer.Option(min=1, help="updates failing in a row before a learner stops trying (serving goes on)")], LearnerConfig.max_failures),
 }
 
 
@@ -234,10 +238,11 @@ def _core_config(o: dict) -> CoreConfig:
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], source=o["source"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"], batch_size=o["batch_size"],
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
+        keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
-                                         "default_max_tokens")}
+                                         "default_max_tokens", "retention_days", "max_buffer_bytes")}
     return CoreConfig(**plain, learner=learner)
 
 
@@ -284,7 +289,7 @@ def serve(
     settings = ServerSettings(model_name=name, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
                               drain_seconds=drain_seconds)
     console.print(f"onlinespec: serving {name!r} (draft {core.draft}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
-    run_server(core, out_dir, host, port, settings)
+    _user_errors(lambda: run_server(core, out_dir, host, port, settings))
 
 
 def model_name(target: str) -> str:
@@ -389,6 +394,9 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
         served = {"tokens": 0}
 
         def on_request(row):
+            if "error" in row:
+                progress.update(task, advance=1, info=f"request {row['id']} failed: {row['error'][:120]}")
+                return
             served["tokens"] += row["new_tokens"]
             rate = served["tokens"] / (time.perf_counter() - started)
             info = (f"alpha(50) {row['alpha_moving_average']:.3f}  {rate:.1f} tok/s served  "
@@ -403,9 +411,15 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
     json_out.write_text(json.dumps(result, indent=2))
     report = write_report({"online" if learn else "static": result}, out_dir, title, result["command"])
     summary = result["summary"]
-    out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s per request, alpha first 50 "
-              f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
-              f"{len(result['updates'])} updates. Report: {report}")
+    if summary["n_errors"]:
+        out.print(f"[red]{summary['n_errors']} requests failed[/red] (their rows in {json_out} say why); the first: "
+                  f"{result['errors'][0]['error']}")
+    if summary["n_requests"]:
+        out.print(f"{summary['n_requests']} requests: {summary['tokens_per_s']:.1f} tok/s per request, alpha first 50 "
+                  f"{summary['acceptance_rate_first_50']:.3f} -> last 50 {summary['acceptance_rate_last_50']:.3f}; "
+                  f"{len(result['updates'])} updates. Report: {report}")
+    for name, reason in result["learner"]["learners_stopped"].items():
+        out.print(f"[red]draft {name}: the learner stopped[/red]: {reason}")
     if "comparison" in result:
         c = result["comparison"]
         tps = c["tokens_per_s"]
@@ -501,8 +515,9 @@ def drafts_rollback(
     draft: DraftNameOpt = None,
     to: Annotated[Optional[str], typer.Option(help="the version to serve (default: the current one's parent)")] = None,
 ) -> None:
-    """Serve an earlier version: the current one's parent, or the one named with --to. The next
-    `onlinespec online` run on the same --out-dir starts from it."""
+    """Serve an earlier version: the current one's parent, or the one named with --to. A process
+    serving from this folder takes it within a second (its update in flight publishes nothing);
+    the next run on the same --out-dir starts from it."""
     registries = _user_errors(lambda: _registries(directory, draft))
     if len(registries) > 1:
         console.print(f"[red]error:[/red] {directory} holds {len(registries)} drafts ({', '.join(registries)}): name one with --draft")
@@ -574,6 +589,33 @@ def data_stream(
     console.print(f"wrote {len(queries)} queries to {out}")
 
 
+@data_app.command("purge")
+def data_purge(
+    out_dir: Annotated[Path, typer.Option(exists=True, file_okay=False, help="the --out-dir of `onlinespec serve` or `online`")],
+    request_id: Annotated[Optional[str], typer.Option(help="delete this request's training records (the id clients sent as X-Request-Id)")] = None,
+    older_than_days: Annotated[Optional[float], typer.Option(min=0.0, help="delete the records older than this many days")] = None,
+) -> None:
+    """Delete training records from every draft's replay buffer, by request or by age. A server
+    running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
+    from onlinespec.online.buffer import ReplayBuffer
+    from onlinespec.online.storage import OutDirLock
+
+    if (request_id is None) == (older_than_days is None):
+        console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
+        raise typer.Exit(2)
+    lock = _user_errors(lambda: OutDirLock(out_dir).acquire())
+    try:
+        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []
+        removed = {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
+    finally:
+        lock.release()
+    with open(out_dir / "events.jsonl", "a") as events:
+        events.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
+                                 "records": sum(removed.values()), "by": "onlinespec data purge", "time": time.time()}) + "\n")
+    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'})")
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -585,9 +627,11 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
 
 def _user_errors(fn):
     """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
+    from onlinespec.online.storage import OutDirBusy
+
     try:
         return fn()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, OutDirBusy) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
 

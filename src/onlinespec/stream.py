@@ -15,7 +15,9 @@ in the learner only and give the serving throughput kept while it runs; then by 
 (draft ``"none"``), in batches of its own, as a server without speculation would run them.
 
 Each request's row (``on_request``) comes after its training record is in the durable buffer: a
-reported request is an acknowledged one.
+reported request is an acknowledged one. A request that fails (refused, timed out, a server
+error) is an error row with its message: it is counted and left out of the figures, and the
+stream goes on.
 """
 
 from __future__ import annotations
@@ -59,6 +61,17 @@ class StreamClient(Protocol):
     def updates(self) -> list[dict]:
         """Every update of every draft, in the order they ended."""
 
+    def health(self) -> dict:
+        """The training data's governance counts and the learners' failures (:func:`learner_health`)."""
+
+
+def learner_health(drafts: list[dict], governance: dict | None) -> dict:
+    """From :meth:`ServingCore.drafts` rows (or ``GET /admin/drafts``): failed updates and
+    stopped learners by draft, and the governance counts."""
+    return {"governance": governance or {},
+            "update_failures": {d["name"]: d["failures"] for d in drafts if d.get("failures")},
+            "learners_stopped": {d["name"]: d["stopped"] for d in drafts if d.get("stopped")}}
+
 
 def stream_row(text: str, metrics: dict, new_tokens: int, seconds: float) -> dict:
     """A served request's row, from its response's ``metrics`` (:meth:`Served.metrics`)."""
@@ -94,6 +107,9 @@ class CoreClient:
 
     def updates(self) -> list[dict]:
         return [{"draft": name, **asdict(r)} for name, r in self.core.pool.reports()]
+
+    def health(self) -> dict:
+        return learner_health(self.core.drafts(), self.core.governance())
 
 
 class HTTPClient:
@@ -133,6 +149,10 @@ class HTTPClient:
     def updates(self) -> list[dict]:
         drafts = self.admin.get("/admin/drafts").raise_for_status().json()["drafts"]
         return sorted(({"draft": d["name"], **u} for d in drafts for u in d.get("updates", [])), key=lambda u: u["ended_at"])
+
+    def health(self) -> dict:
+        state = self.admin.get("/admin/drafts").raise_for_status().json()
+        return learner_health(state["drafts"], state.get("governance"))
 
 
 def run_stream(
@@ -180,32 +200,44 @@ def drive(
 
     def serve(i: int) -> None:
         query = queries[i]
-        if every and i % every == 0:
-            online, static = pair(i)
-            row = {"i": i, "id": query.id, "domain": query.domain, **online, "static": {k: static[k] for k in STATS},
-                   "texts": {STATIC: static["text"]}}
-        else:
-            row = {"i": i, "id": query.id, "domain": query.domain, **client.serve(query, budget(query))}
+        row = {"i": i, "id": query.id, "domain": query.domain}
+        try:
+            if every and i % every == 0:
+                online, static = pair(i)
+                row.update(online, static={k: static[k] for k in STATS}, texts={STATIC: static["text"]})
+            else:
+                row.update(client.serve(query, budget(query)))
+        except Exception as err:  # one failed request is an error row, never the end of the stream
+            row = {"i": i, "id": query.id, "domain": query.domain, "error": f"{type(err).__name__}: {err}"}
         row["time"] = time.time()
+        ok = [r for r in rows[-MOVING_AVERAGE:] if "error" not in r] + ([] if "error" in row else [row])
         with lock:
+            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in ok], MOVING_AVERAGE)[-1] if ok else 0.0
             rows.append(row)
-            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in rows[-MOVING_AVERAGE:]], MOVING_AVERAGE)[-1]
             if on_request:
                 on_request(row)
 
     def learning_off(row: dict) -> None:
         """A probe again, learning paused, in the same pairing as before: the static draft's two
         passes differ in the learner only."""
-        online, static = pair(row["i"], row["draft"])
+        try:
+            online, static = pair(row["i"], row["draft"])
+        except Exception as err:
+            row["probe_error"] = f"{type(err).__name__}: {err}"
+            return
         row["online_learning_off"], row["static_learning_off"] = ({k: out[k] for k in STATS} for out in (online, static))
 
     def target_alone(row: dict) -> None:
-        out = client.serve(queries[row["i"]], budget(queries[row["i"]]), TARGET_ALONE)
+        try:
+            out = client.serve(queries[row["i"]], budget(queries[row["i"]]), TARGET_ALONE)
+        except Exception as err:
+            row["probe_error"] = f"{type(err).__name__}: {err}"
+            return
         row["target_alone"] = {k: out[k] for k in STATS}
         row["texts"][TARGET_ALONE] = out["text"]
 
     with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
-        list(pool.map(serve, range(len(queries))))  # re-raises the first failed request
+        list(pool.map(serve, range(len(queries))))
     rows.sort(key=lambda r: r["i"])
     probes = [r for r in rows if "static" in r]
     if probes:
@@ -217,10 +249,10 @@ def drive(
                 list(pool.map(step, probes))
         for r in probes:  # greedy: the online system, the static draft and the target alone agree
             texts = r.pop("texts")
-            r["identical"] = r["text"] == texts[STATIC] == texts[TARGET_ALONE]
+            r["identical"] = TARGET_ALONE in texts and r["text"] == texts[STATIC] == texts[TARGET_ALONE]
     for r in rows:
         r.pop("text", None)
-    return summarize(rows, config, client.updates())
+    return summarize(rows, config, client.updates(), client.health())
 
 
 def pooled_alpha(stats: Sequence[dict]) -> float:
@@ -246,7 +278,12 @@ def _interval(rows: Sequence[dict], a: str | None, b: str) -> tuple[float, float
     return bootstrap_ratio(samples)
 
 
-def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None = None) -> dict:
+def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None = None, health: dict | None = None) -> dict:
+    """The run's results: figures over the requests that succeeded (overall and by domain), the
+    errors, the updates, the learners' health and the training data's governance, and the
+    side-by-side comparison of the probes."""
+    failed = [r for r in rows if "error" in r]
+    served = [r for r in rows if "error" not in r]
     def figures(part: list[dict]) -> dict:
         head, tail = part[:MOVING_AVERAGE], part[-MOVING_AVERAGE:]
         return {
@@ -259,15 +296,19 @@ def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None
             "tau_mean": sum(r["tau"] for r in part) / len(part),
         }
 
-    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    domains = list(dict.fromkeys(r["domain"] for r in served))
+    health = health or {}
     result = {
         "config": asdict(config),
-        "summary": figures(rows) if rows else {},
-        "domains": {d: figures([r for r in rows if r["domain"] == d]) for d in domains},
+        "summary": {**(figures(served) if served else {"n_requests": 0}), "n_errors": len(failed)},
+        "domains": {d: figures([r for r in served if r["domain"] == d]) for d in domains},
+        "errors": [{"i": r["i"], "id": r["id"], "error": r["error"]} for r in failed],
         "updates": updates or [],
+        "learner": {"update_failures": health.get("update_failures", {}), "learners_stopped": health.get("learners_stopped", {})},
+        "governance": health.get("governance", {}),
         "requests": rows,
     }
-    probed = [r for r in rows if "static" in r and "target_alone" in r]
+    probed = [r for r in served if "static" in r and "target_alone" in r]
     if probed:
         comparison = {
             "n_requests": len(probed),

@@ -3,6 +3,9 @@ signal and the bulk warm-up all need, kept below all of them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 Prompt = str | list[dict] | list[int]
 
 
@@ -29,3 +32,11 @@ def eos_token_ids(model, tokenizer=None) -> frozenset[int]:
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short name for a tokenizer's vocabulary (its size and a hash of its token -> id map):
+    records and drafts made under one tokenizer are never used under another."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:12]
+    return f"vocab{len(vocab)}-{digest}"

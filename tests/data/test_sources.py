@@ -205,7 +205,6 @@ def test_jsonl_defaults_and_blank_lines(tmp_path: Path) -> None:
         ('{"prompt": "a", "max_new_tokens": "64"}', "positive integer"),
         ('{"prompt": "a", "max_new_tokens": true}', "positive integer"),
         ('{"prompt": "a", "train": "no"}', "'train'"),
-        ('{"prompt": "a", "lang": "en"}', "allowed keys: domain, id, max_new_tokens"),
         ('{"prompt": "a", "id": "ok/1"}', "duplicate id 'ok/1'.*line 1"),
     ],
 )
@@ -214,3 +213,15 @@ def test_jsonl_bad_line_names_line_number(tmp_path: Path, line: str, says: str) 
     path.write_text('{"prompt": "fine", "id": "ok/1"}\n\n' + line + "\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{says}"):
         read_queries_jsonl(path)
+
+
+def test_jsonl_unknown_fields_are_kept_as_metadata_with_one_warning(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "real.jsonl"
+    path.write_text('{"prompt": "a", "source": "sharegpt", "category": "coding"}\n{"prompt": "b", "source": "lmsys"}\n')
+    with caplog.at_level("WARNING", logger="onlinespec.data"):
+        first, second = read_queries_jsonl(path)
+    warnings = [r for r in caplog.records if r.name == "onlinespec.data"]
+    assert len(warnings) == 1 and "'category', 'source'" in warnings[0].getMessage()
+    assert dict(first.metadata) == {"source": "sharegpt", "category": "coding"} and first.prompt == "a"
+    write_queries_jsonl(tmp_path / "again.jsonl", [first, second])  # kept, and written back
+    assert read_queries_jsonl(tmp_path / "again.jsonl")[0].to_json() == {"source": "sharegpt", "category": "coding", **first.to_json()}

@@ -511,3 +511,27 @@ def test_ngram_lookup_copies_after_the_latest_longest_match():
     assert lookup(np.array([4, 8, 4]), 5, max_ngram=2, min_ngram=1) == [8, 4]
     assert lookup(np.array([3]), 4, max_ngram=3, min_ngram=1) == []
     assert lookup(np.array([1, 2, 3]), 4, max_ngram=3, min_ngram=1) == []
+
+
+def test_a_prompt_and_budget_past_the_context_is_a_clear_error(tiny_target):
+    decoder = SpeculativeDecoder(tiny_target)  # the target alone (k = 0), a 256-token context
+    with pytest.raises(ValueError, match=r"prompt \(200 tokens\) \+ max_new_tokens \(60\) exceeds the model's context of 256 "
+                                         r"tokens: ask for at most 55 new tokens"):
+        decoder.generate([1] * 200, SamplingParams(max_new_tokens=60))
+    with pytest.raises(ValueError, match="shorten the prompt to at most 254 tokens"):
+        decoder.generate([1] * 300, SamplingParams(max_new_tokens=1))
+    assert len(decoder.generate([1] * 200, SamplingParams(max_new_tokens=55)).token_ids) <= 55
+
+
+def test_non_finite_target_logits_are_an_error_never_a_token(tiny_target):
+    decoder = SpeculativeDecoder(tiny_target, k=2)
+    with torch.no_grad():
+        saved = tiny_target.lm_head.weight.clone()
+        tiny_target.lm_head.weight[3, 0] = float("nan")
+    try:
+        for params in (SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)):
+            with pytest.raises(FloatingPointError, match="NaN or \\+inf"):
+                decoder.generate([1, 2, 3], params)
+    finally:
+        with torch.no_grad():
+            tiny_target.lm_head.weight.copy_(saved)

@@ -356,7 +356,10 @@ def test_logits_to_probs_upcasts_half_precision():
     "kwargs, message",
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+        ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be >= 0"),
@@ -400,3 +403,16 @@ def test_chi_square_helper(chi_square):
     # small bins pooled: 3 bins of expected 2 pooled into one of expected 6
     _, _, df = chi_square([100, 94, 2, 2, 2], [0.5, 0.47, 0.01, 0.01, 0.01])
     assert df == 2
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=1e-38).temperature == 0.0
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_a_draw_of_exactly_zero_never_accepts_a_token_the_target_gives_probability_zero(monkeypatch):
+    p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])  # the target never writes token 0
+    q = torch.tensor([[1.0, 0.0]])  # the draft always proposes it
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None: torch.zeros(*shape))  # u = 0 exactly
+    verdict = verify_sampling([0], q, p, None)
+    assert verdict.n_accepted == 0 and verdict.next_token == 1

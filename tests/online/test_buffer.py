@@ -60,7 +60,7 @@ def test_priority_evicts_what_the_draft_already_knows(tmp_path):
     buffer = ReplayBuffer(tmp_path, policy="priority", max_records=3)
     for i in range(3):
         buffer.add(record(i))
-    buffer.set_priorities([0.9, 0.1, 0.5])
+    buffer.set_priorities(list(zip(buffer.records(), [0.9, 0.1, 0.5])))
     buffer.add(record(3))  # unscored: assumed hard; the easiest (r1) goes
     assert ids(buffer) == ["r0", "r2", "r3"]
     assert [r.request_id for r in buffer.sample(2)] == ["r3", "r0"]
@@ -83,7 +83,75 @@ def test_reservoir_is_a_uniform_sample(tmp_path):
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="policy"):
         ReplayBuffer(tmp_path, policy="lru")
-    buffer = ReplayBuffer(tmp_path, policy="priority")
+    with pytest.raises(ValueError, match="positive"):
+        ReplayBuffer(tmp_path, max_records=0)
+    with pytest.raises(ValueError, match="retention"):
+        ReplayBuffer(tmp_path, retention_seconds=-1)
+    with pytest.raises(ValueError, match="a request id or a time"):
+        ReplayBuffer(tmp_path).purge()
+
+
+def test_unreadable_and_stray_files_are_quarantined_not_loaded(tmp_path):
+    buffer = ReplayBuffer(tmp_path, max_records=10)
+    for i in range(4):
+        buffer.add(record(i))
+    files = sorted(tmp_path.glob("*.safetensors"))
+    files[1].write_bytes(files[1].read_bytes()[:40])  # truncated by a crash of the disk, say
+    files[2].write_bytes(b"\x00" * 64)  # corrupt
+    (tmp_path / "notes.txt").write_text("a stray file")
+    (tmp_path / "state.json").write_text("{not json")
+    reopened = ReplayBuffer(tmp_path, max_records=10)
+    assert ids(reopened) == ["r0", "r3"]
+    assert reopened.counts["quarantined"] == 4
+    assert len([p for p in (tmp_path / "quarantine").iterdir() if p.name != "README.txt"]) == 4
+    assert reopened.add(record(9)) and ids(ReplayBuffer(tmp_path, max_records=10)) == ["r0", "r3", "r9"]
+
+
+def test_a_failed_write_stores_nothing_and_the_buffer_goes_on(tmp_path, monkeypatch):
+    import onlinespec.online.buffer as module
+
+    buffer = ReplayBuffer(tmp_path, max_records=10)
     buffer.add(record(0))
-    with pytest.raises(ValueError, match="1 records"):
-        buffer.set_priorities([0.1, 0.2])
+    real = module.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        buffer.add(record(1))
+    monkeypatch.setattr(module, "save_file", real)
+    assert buffer.add(record(2)) and ids(buffer) == ["r0", "r2"]
+    assert not list(tmp_path.glob("*.tmp")) and ids(ReplayBuffer(tmp_path)) == ["r0", "r2"]
+
+
+def test_retention_expires_old_records_even_after_a_clock_jump(tmp_path):
+    now = [1_000_000.0]
+    buffer = ReplayBuffer(tmp_path, retention_seconds=100, clock=lambda: now[0])
+    for i in range(3):
+        r = record(i)
+        r.created_at = now[0] + i * 40  # 0, 40, 80 s after the start
+        buffer.add(r)
+    now[0] += 130  # the first is 130 s old, the second 90
+    assert buffer.expire() == 1 and ids(buffer) == ["r1", "r2"]
+    now[0] += 10_000  # the clock jumps forward: everything is past retention
+    assert ids(ReplayBuffer(tmp_path, retention_seconds=100, clock=lambda: now[0])) == []
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_purge_deletes_a_requests_records_and_its_student_branches(tmp_path):
+    buffer = ReplayBuffer(tmp_path)
+    for rid in ("a", "a#student@5", "ab", "b"):
+        r = record(0)
+        r.request_id = rid
+        buffer.add(r)
+    assert buffer.purge(request_id="a") == 2 and ids(buffer) == ["ab", "b"]
+    assert ids(ReplayBuffer(tmp_path)) == ["ab", "b"] and buffer.counts["purged"] == 2
+    assert buffer.purge(before=buffer.records()[0].created_at + 1e6) == 2 and len(ReplayBuffer(tmp_path)) == 0
+
+
+def test_records_of_another_tokenizer_are_refused_with_a_clear_error(tmp_path):
+    ReplayBuffer(tmp_path, identity="vocab-49152-aaaa").add(record(0))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        ReplayBuffer(tmp_path, identity="vocab-32000-bbbb")

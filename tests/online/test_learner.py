@@ -10,6 +10,7 @@ from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner
+from onlinespec.online.learnable import Objective
 from onlinespec.online.registry import DraftRegistry
 
 PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -82,16 +83,23 @@ class _SplitVerdict(OnlineLearner):
     """A learner whose candidate (any model but the serving one) judges better on domain 'new'
     and worse on domain 'old': the gate's decision alone is under test."""
 
-    def _objective(self, train):
-        serving = self._latest[0]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        serving, real = self._latest[0], self.learnable
 
-        def evaluate(model, records):
-            if model is serving:
-                return {"loss": 1.0, "alpha": 0.5}
-            old = sum(r.domain == "old" for r in records) / len(records)
-            return {"loss": 1.0, "alpha": 0.5 + 0.2 * (1 - old) - 0.1 * old}
+        class Judge:
+            copy, load = real.copy, real.load
 
-        return list(range(len(train) or 1)), lambda model, optimizer, batch: 0.0, evaluate
+            def objective(self, records, positions, depth, config):
+                return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)
+
+            def metrics(self, model, records, config):
+                if model is serving:
+                    return {"loss": 1.0, "alpha": 0.5}
+                old = sum(r.domain == "old" for r in records) / len(records)
+                return {"loss": 1.0, "alpha": 0.5 + 0.2 * (1 - old) - 0.1 * old}
+
+        self.learnable = Judge()
 
 
 def test_domain_gate_refuses_a_candidate_that_serves_an_earlier_domain_worse(tiny_llama, tmp_path):

@@ -64,3 +64,50 @@ def test_sigkill_during_publish_leaves_every_version_loadable(tmp_path):
         w = registry.load(version)["w"]
         assert w.shape == (512, 1024) and (w == w[0, 0]).all()
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_versions_are_ordered_by_number_past_v9999(tmp_path):
+    registry = DraftRegistry(tmp_path)
+    for number in (9998, 9999):
+        (tmp_path / f"v{number}").mkdir()
+        (tmp_path / f"v{number}" / "meta.json").write_text("{}")
+    (tmp_path / "vnotes").mkdir()  # a folder that is not a version
+    version = registry.publish(weights(1.0), {"parent": "v9999"})
+    assert version == "v10000" and registry.versions() == ["v9998", "v9999", "v10000"]
+    assert registry.publish(weights(2.0), {"parent": version}) == "v10001"
+
+
+def test_recovery_quarantines_unreadable_versions_and_falls_back_to_the_newest_valid(tmp_path):
+    registry = DraftRegistry(tmp_path)
+    for value in (1.0, 2.0, 3.0):
+        registry.publish(weights(value), {"parent": registry.current()})
+    model = tmp_path / "v0003" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-10])  # truncated
+    (tmp_path / "v0002" / "meta.json").write_text("{half")
+    reopened = DraftRegistry(tmp_path)
+    assert reopened.recover() == "v0001" and reopened.current() == "v0001"
+    assert reopened.versions() == ["v0001"] and sorted(reopened.quarantined) == ["v0002", "v0003"]
+    assert torch.equal(reopened.load()["layer.weight"], torch.full((4, 4), 1.0))
+    (tmp_path / "CURRENT").write_text("garbage")
+    assert DraftRegistry(tmp_path).recover() == "v0001"
+    (tmp_path / "CURRENT").unlink()
+    assert DraftRegistry(tmp_path).recover() == "v0001"
+
+
+def test_prune_keeps_the_newest_the_current_one_and_its_parent(tmp_path):
+    registry = DraftRegistry(tmp_path)
+    for value in range(6):
+        registry.publish(weights(float(value)), {"parent": registry.current()})
+    registry.set_current("v0003")  # an operator rolled back
+    assert registry.prune(keep=2) == ["v0001", "v0004"]
+    assert registry.versions() == ["v0002", "v0003", "v0005", "v0006"]
+    with pytest.raises(ValueError, match="keep"):
+        registry.prune(keep=0)
+
+
+def test_another_models_registry_is_refused(tmp_path):
+    registry = DraftRegistry(tmp_path)
+    registry.publish(weights(1.0), {"parent": None, "identity": {"draft": "hybrid", "tokenizer": "49152-aa"}})
+    registry.check_identity({"draft": "hybrid", "tokenizer": "49152-aa"})
+    with pytest.raises(ValueError, match="draft: the registry's is 'hybrid', this run's is 'target-layers:2'"):
+        registry.check_identity({"draft": "target-layers:2", "tokenizer": "49152-aa"})

@@ -235,3 +235,23 @@ def test_health_ready_models(server, model):
     assert ready.status_code == 200 and ready.json()["model"] == model
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model
+
+
+def test_training_data_can_be_purged_by_request_and_governance_says_what_was_kept(server, model):
+    from onlinespec.online.buffer import ReplayBuffer
+
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer admin-secret"}, timeout=60)
+    for rid, train in (("purge-me", True), ("keep-me", True), ("opted-out", False)):
+        httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": rid},
+                   json={"model": model, "prompt": f"{rid} =", "max_tokens": 6, "temperature": 0, "domain": "purge-test",
+                         "train": train}).raise_for_status()
+    wait_idle(admin)
+    before = admin.get("/admin/drafts").json()["governance"]
+    assert before["refused_opt_out"] >= 1 and before["records_stored"] >= 2
+    done = admin.post("/admin/data/purge", json={"request_id": "purge-me"}).raise_for_status().json()
+    assert done["records_deleted"] >= 1 and done["governance"]["purged"] >= before["purged"] + 1
+    held = {r.request_id.split("#")[0] for r in ReplayBuffer(server.out_dir / "buffer" / "purge-test").records()}
+    assert "purge-me" not in held and "keep-me" in held and "opted-out" not in held
+    bad = admin.post("/admin/data/purge", json={"request_id": 3})
+    assert bad.status_code == 400 and "request_id" in bad.json()["error"]["message"]
+    assert "onlinespec:requests_opted_out_total" in httpx.get(server.url + "/metrics").text

@@ -35,11 +35,18 @@ def events(out_dir) -> list[dict]:
 def test_a_full_queue_answers_429_with_retry_after(launch, tmp_path):
     server = launch(tmp_path / "run", "--max-batch", "1", "--max-waiting", "1", "--static")
     model = model_of(server)
+    post = lambda i: httpx.post(server.url + "/v1/completions", json=long_request(model), timeout=60)  # noqa: E731
     with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(lambda i: httpx.post(server.url + "/v1/completions", json=long_request(model), timeout=60), range(6)))
+        first = pool.submit(post, 0)
+        deadline = time.monotonic() + 30
+        while "onlinespec:num_requests_running 1.0" not in httpx.get(server.url + "/metrics").text:  # it holds the one slot
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rest = list(pool.map(post, range(5)))  # while the first runs: one waits, the others are refused
+        responses = [first.result(), *rest]
     refused = [r for r in responses if r.status_code == 429]
     assert refused and all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
-    assert sum(r.status_code == 200 for r in responses) >= 2  # the running one and the one that waited
+    assert sum(r.status_code == 200 for r in responses) >= 2, [(r.status_code, r.text[:300]) for r in responses]  # the running one and the one that waited
     assert httpx.post(server.url + "/v1/completions", json=long_request(model, 4)).status_code == 200
 
 

@@ -27,6 +27,7 @@ import gzip
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -93,6 +94,8 @@ class Query:
         messages: Chat turns, each a ``{"role": ..., "content": ...}`` dict.
         max_new_tokens: Per-query generation budget; ``None`` uses the caller's default.
         train: Whether the online draft may learn from this query's generation.
+        metadata: Other fields of its JSONL line (``source``, ``category``, ...), kept as they
+            were and written back; never read by the system.
     """
 
     id: str
@@ -102,6 +105,7 @@ class Query:
     messages: tuple[dict[str, Any], ...] | None = None
     max_new_tokens: int | None = None
     train: bool = True
+    metadata: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("id", "domain"):
@@ -133,7 +137,7 @@ class Query:
             out["max_new_tokens"] = self.max_new_tokens
         if not self.train:
             out["train"] = False
-        return out
+        return {**dict(self.metadata), **out}
 
 
 def _check_text_fields(prompt: object, messages: object) -> None:
@@ -560,12 +564,6 @@ def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
         ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"each line must be a JSON object, got a JSON {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(_JSONL_KEYS))
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed keys: {', '.join(sorted(_JSONL_KEYS))}"
-        )
     return Query(
         id=obj.get("id", default_id),
         domain=obj.get("domain", "default"),
@@ -574,6 +572,7 @@ def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
         messages=obj.get("messages"),
         max_new_tokens=obj.get("max_new_tokens"),
         train=obj.get("train", True),
+        metadata=tuple((k, v) for k, v in obj.items() if k not in _JSONL_KEYS),
     )
 
 
@@ -582,7 +581,9 @@ def read_queries_jsonl(path: str | os.PathLike[str]) -> list[Query]:
 
     Keys: ``prompt`` xor ``messages`` (required); ``domain`` (default ``"default"``); ``id``
     (default ``<file stem>/<line number>``, must be unique); ``max_new_tokens``; ``train``.
-    Raises ``ValueError("<path>:<line>: <what to fix>")`` on the first bad line.
+    Other keys (a ``source`` or ``category`` column) are kept as each query's ``metadata``, with
+    one warning per file naming them (a misspelt key shows there). Raises
+    ``ValueError("<path>:<line>: <what to fix>")`` on the first bad line.
     """
     path = Path(path)
     queries: list[Query] = []
@@ -602,6 +603,11 @@ def read_queries_jsonl(path: str | os.PathLike[str]) -> list[Query]:
                 )
             first_line_of[query.id] = lineno
             queries.append(query)
+    extra = sorted({key for q in queries for key, _ in q.metadata})
+    if extra:
+        logging.getLogger("onlinespec.data").warning(
+            "%s: key(s) %s are not query fields (%s): kept as metadata, not used", path, ", ".join(map(repr, extra)),
+            ", ".join(_JSONL_KEYS))
     return queries
 
 

@@ -84,6 +84,24 @@ class SpeculativeEngine:
         self.batch = BatchKVCache(target.config)
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
 
+    @property
+    def context(self) -> int:
+        """The target's context window in tokens."""
+        return int(getattr(self.target.config, "max_position_embeddings", 0) or 2048)
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a request with this prompt may ask for: a verification block
+        reaches k + 1 positions past the text, and all of it must fit in the context."""
+        return self.context - prompt_tokens - (self.k + 1)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A clear ``ValueError`` if the prompt and its budget overrun the context."""
+        room = self.room(prompt_tokens)
+        if max_new_tokens > room:
+            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                             f"of {self.context} tokens: ask for at most {max(room, 0)} new tokens for this prompt"
+                             + ("" if room > 0 else f", or shorten the prompt to at most {self.context - self.k - 2} tokens"))
+
     def reset(self) -> None:
         """Drop every request's cache rows (after a step that failed half-way)."""
         self.batch = BatchKVCache(self.target.config)
@@ -267,6 +285,9 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdict:
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():  # a broken model: never emit a token from it
+        raise FloatingPointError("the target's logits hold NaN or +inf (broken weights, or an overflow in this dtype): "
+                                 "no token was emitted from them; check the model, or serve it in float32")
     if r.params.greedy:
         return verify_greedy(proposal.tokens, logits)
     return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, r.params), r.generator)

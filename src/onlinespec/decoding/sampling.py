@@ -1,14 +1,20 @@
 """Sampling parameters and the logits -> probabilities warp shared by target and draft.
 
 Names follow Hugging Face ``generate`` (``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``,
-``stop_strings``). ``temperature == 0`` means greedy decoding.
+``stop_strings``). ``temperature == 0`` means greedy decoding; as in vLLM, a temperature below
+``GREEDY_BELOW`` (1e-5) is greedy too (dividing logits by it would overflow float32 to inf, and
+the distribution it asks for is the argmax's up to ties). NaN and infinite values are refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -76,7 +76,9 @@ class SpeculativeDecoder:
         ``proposer`` (with its own ``adaptive_k``) is given."""
         if proposer is None:
             proposer, adaptive_k = self.proposer, self.adaptive_k
-        return RequestState(self.encode(prompt), params, StopChecker(params, self.eos_token_ids, self.tokenizer),
+        ids = self.encode(prompt)
+        self.engine.check_fits(len(ids), params.max_new_tokens)
+        return RequestState(ids, params, StopChecker(params, self.eos_token_ids, self.tokenizer),
                             proposer=proposer, adaptive=adaptive_k, trace=[] if trace else None)
 
     def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), trace: bool = False) -> Generation:

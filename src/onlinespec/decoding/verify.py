@@ -60,7 +60,7 @@ def verify_sampling(
     p = target_probs[rows, index]
     q = draft_probs[rows, index] if draft_probs is not None else torch.ones(k)
     u = torch.rand(k, generator=generator)
-    rejected = (u * q > p).tolist()  # u > p/q, written without a division
+    rejected = (u * q >= p).tolist()  # accept iff u < p/q, without a division; p = 0 always rejects (even u = 0)
     n = rejected.index(True) if True in rejected else k
     if n == k:
         return Verdict(k, sample(target_probs[k], generator))

@@ -4,7 +4,8 @@ trainers, so it lives below all of them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,7 @@ class DistillRecord:
     # feature heads only: [len(positions), H] float16, the target's post-norm state at t - 1
     features: torch.Tensor | None = None
     rejected: list[bool] | None = None  # per position: the row of a round's first rejection
+    created_at: float = field(default_factory=time.time)  # when it was recorded: retention reads it
 
     def __len__(self) -> int:
         return len(self.positions)

@@ -8,13 +8,14 @@ those positions go through the output head, so a 49k-word head costs no more tha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from onlinespec.distill.losses import SparseTeacher, bucket_log_probs, distill_loss
+from onlinespec.distill.losses import LOSSES, SparseTeacher, bucket_log_probs, distill_loss
 from onlinespec.distill.records import DistillRecord
 
 
@@ -24,6 +25,16 @@ class DistillConfig:
     temperature: float = 1.0
     beta: float = 0.5  # JSD mixing weight
     max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:  # refused when configured, not at the first update
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown distillation loss {self.loss!r}: use one of {', '.join(LOSSES)}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"the distillation temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"the JSD beta must lie in (0, 1), got {self.beta}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
 
 @dataclass

@@ -22,9 +22,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from onlinespec.distill.loop import run_steps
 from onlinespec.distill.step import DistillConfig, distill_step
 from onlinespec.distill.records import DistillRecord
-from onlinespec.weights import unique_tensors
+from onlinespec.weights import load_weights, unique_tensors
 
 
 @dataclass
@@ -85,15 +86,17 @@ class Trainer:
         columns = [TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("", total=self.config.steps, completed=self.step, info="")
-            while self.step < last:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.config.lr_at(self.step)
-                loss = self.step_fn(self.draft, self.optimizer, self._batch(self.step), self.config.distill)
+
+            def after_step(step: int, loss: float) -> None:
                 self.losses.append(loss)
-                self.step += 1
+                self.step = step + 1
                 bar.update(task, completed=self.step, info=f"loss {loss:.4f}")
                 if self.step % self.config.checkpoint_every == 0 or self.step == last:
                     self.save()
+
+            batches = (self._batch(step) for step in range(self.step, last))
+            run_steps(self.draft, self.optimizer, lambda model, optimizer, batch: self.step_fn(model, optimizer, batch, self.config.distill),
+                      batches, lr_at=self.config.lr_at, after_step=after_step, first=self.step)
         return self.losses
 
     def _batch(self, step: int) -> list[DistillRecord]:
@@ -132,8 +135,6 @@ class Trainer:
     def _resume(self) -> None:
         path = self.out_dir / "checkpoint"
         meta = json.loads((path / "meta.json").read_text())
-        self.draft.load_state_dict(load_file(str(path / "draft.safetensors")), strict=False)
-        if hasattr(self.draft, "tie_weights"):
-            self.draft.tie_weights()
+        load_weights(self.draft, load_file(str(path / "draft.safetensors")), f"the checkpoint in {path}")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.step, self.losses = meta["step"], meta["losses"]

@@ -40,6 +40,7 @@ import torch
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig
+from onlinespec.distill.loop import run_steps
 from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 
@@ -329,27 +330,31 @@ def train_head(model, signal: Signal, vocab: torch.Tensor, design: HeadDesign, r
     head = FeatureHead.for_target(model, vocab.cpu(), intermediate_size=design.intermediate_size, num_blocks=design.num_blocks).to(device)
     task = ChainTask(signal, ChainConfig(depth=recipe.depth, step_decay=recipe.step_decay))
     distill = DistillConfig(loss=recipe.loss)
-    head.requires_grad_(True)
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=recipe.lr, weight_decay=0.0)
     generator = torch.Generator(device=device).manual_seed(recipe.seed)
     schedule = TrainConfig(recipe.max_steps, lr=recipe.lr, warmup_steps=recipe.warmup_steps, min_lr_ratio=recipe.min_lr_ratio)
-    total, step, losses, started = recipe.max_steps, 0, [], time.monotonic()
-    while step < total:
+    total, losses, started = [recipe.max_steps], [], time.monotonic()
+
+    def batches():
+        step = 0
+        while step < total[0] and not (time.monotonic() > deadline and step >= 100):
+            yield task.starts[torch.randint(len(task.starts), (recipe.batch_size,), device=device, generator=generator)]
+            step += 1
+
+    def lr_at(step: int) -> float:
+        return dataclasses.replace(schedule, steps=total[0]).lr_at(step)
+
+    def after_step(i: int, loss: float) -> None:
+        step = i + 1
         if step == 50:  # measure, then fit the schedule into the time left
             per_step = (time.monotonic() - started) / 50
-            total = max(100, min(recipe.max_steps, int((deadline - started) / per_step)))
-            log(f"  {design.name}: {per_step * 1e3:.1f} ms/step -> {total} steps")
-        if time.monotonic() > deadline and step >= 100:
-            break
-        lr = dataclasses.replace(schedule, steps=total).lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = task.step(head, optimizer, task.starts[torch.randint(len(task.starts), (recipe.batch_size,), device=device, generator=generator)], distill)
-        step += 1
-        if step % 2000 == 0 or step == total:
+            total[0] = max(100, min(recipe.max_steps, int((deadline - started) / per_step)))
+            log(f"  {design.name}: {per_step * 1e3:.1f} ms/step -> {total[0]} steps")
+        if step % 2000 == 0 or step == total[0]:
             losses.append(round(loss, 4))
-            log(f"  {design.name}: step {step}/{total} loss {losses[-1]} lr {lr:.2e} ({time.monotonic() - started:.0f} s)")
-    head.eval().requires_grad_(False)
+            log(f"  {design.name}: step {step}/{total[0]} loss {losses[-1]} lr {lr_at(i):.2e} ({time.monotonic() - started:.0f} s)")
+
+    step = len(run_steps(head, optimizer, lambda model, opt, batch: task.step(model, opt, batch, distill), batches(), lr_at, after_step=after_step))
     return head, {"steps": step, "seconds": round(time.monotonic() - started, 1), "losses": losses, "examples": step * recipe.batch_size}
 
 

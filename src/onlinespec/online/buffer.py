@@ -1,31 +1,49 @@
 """The replay buffer Q of one draft: bounded, with a retention policy, persisted record by record.
 
-``add`` writes the record to its own safetensors file (temp file, fsync, rename) before it
-returns True: an acknowledged record survives a crash or SIGKILL, and a half-written file is
-never mistaken for a record. Evicted records' files are deleted.
+``add`` writes the record to its own safetensors file (temp file, fsync, rename, fsync the
+folder: :func:`onlinespec.online.storage.commit`) before it returns True: an acknowledged record
+survives a crash or SIGKILL, and a half-written file is never mistaken for a record.
 
-Retention policies (the paper leaves eviction open):
+On start the folder is read back. A file that is not a record, or a record that cannot be read
+(truncated, corrupt), is moved to ``quarantine/`` and counted: it never blocks the restart and
+is never trained on. ``identity`` (the tokenizer's fingerprint) is stored in each record;
+records written for another tokenizer make the buffer refuse to open, saying so.
+
+Eviction policies (the paper leaves eviction open):
 - ``"clear"``: keep everything (up to the bounds, oldest out first) and empty the buffer after
   each draft update, as in the paper;
 - ``"window"``: a sliding window over the most recent records;
 - ``"reservoir"``: a uniform sample of every record ever offered (reservoir sampling);
-- ``"priority"``: keep the records the current draft does worst on (highest loss, set with
-  :meth:`ReplayBuffer.set_priorities`); a new record is assumed hard until scored.
+- ``"priority"``: keep the records the serving draft does worst on (the learner scores every
+  record after each update, :meth:`ReplayBuffer.set_priorities`); a new record is assumed hard
+  until scored.
+
+Governance: ``retention_seconds`` drops records older than that (on start, on every add and on
+:meth:`expire`); :meth:`purge` deletes a request's records (or those older than a time) on
+demand; ``counts`` says how many were stored, evicted, expired, purged and quarantined.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
+import re
+import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+import logging
+
 from onlinespec.distill.records import DistillRecord
+from onlinespec.online.storage import atomic_write, commit, kill_point
+
+log = logging.getLogger("onlinespec.buffer")
 
 POLICIES = ("clear", "window", "reservoir", "priority")
 
@@ -46,18 +64,28 @@ class ReplayBuffer:
         max_records: int = 10_000,
         max_bytes: int = 512 * 2**20,
         seed: int = 0,
+        retention_seconds: float | None = None,
+        identity: str = "",
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown buffer policy {policy!r}: use one of {POLICIES}")
         if max_records < 1 or max_bytes < 1:
-            raise ValueError("max_records and max_bytes must be positive")
+            raise ValueError(f"max_records and max_bytes must be positive, got {max_records} and {max_bytes}")
+        if retention_seconds is not None and not retention_seconds > 0:
+            raise ValueError(f"retention must be a positive number of seconds (or none), got {retention_seconds}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.policy, self.max_records, self.max_bytes = policy, max_records, max_bytes
+        self.retention_seconds, self.identity = retention_seconds, identity
+        self.clock = clock or (lambda: time.time())  # looked up at each call: a test may move the clock
         self._rng = random.Random(seed)
         self._entries: list[_Entry] = []
         self._offered = 0  # records ever offered (reservoir sampling needs it)
+        self._next_seq = 0
+        self.counts = dict.fromkeys(("stored", "evicted", "expired", "purged", "quarantined"), 0)
         self._load()
+        self.expire()
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -72,28 +100,37 @@ class ReplayBuffer:
         return [e.record for e in self._entries]
 
     def add(self, record: DistillRecord) -> bool:
-        """Offer a record; True once it is stored durably, False if the policy turned it away."""
-        self._offered += 1
+        """Offer a record; True once it is stored durably, False if the policy turned it away.
+        An ``OSError`` (a full disk) stores nothing and leaves the buffer as it was."""
+        self.expire()
         if self.policy == "reservoir" and len(self._entries) >= self.max_records:
-            slot = self._rng.randrange(self._offered)
+            slot = self._rng.randrange(self._offered + 1)
             if slot >= self.max_records:
+                self._offered += 1
                 self._save_state()
                 return False
-            self._remove(self._entries[slot])
-        seq = (self._entries[-1].seq + 1) if self._entries else self._next_seq_on_disk()
-        entry = _Entry(seq, record, _nbytes(record))
-        _atomic_save(record, self.directory / f"{seq:012d}.safetensors")
+            victim = self._entries[slot]
+        else:
+            victim = None
+        entry = _Entry(self._next_seq, record, _nbytes(record))
+        _atomic_save(record, self._path(entry.seq), self.identity)
+        self._offered += 1
+        self._next_seq += 1
+        self.counts["stored"] += 1
+        if victim is not None:
+            self._remove(victim, "evicted")
         self._entries.append(entry)
         self._save_state()
         self._enforce_bounds(keep=entry)
         return entry in self._entries
 
-    def set_priorities(self, losses: list[float]) -> None:
-        """The current draft's loss on each record, in :meth:`records` order (policy "priority")."""
-        if len(losses) != len(self._entries):
-            raise ValueError(f"got {len(losses)} losses for {len(self._entries)} records")
-        for entry, loss in zip(self._entries, losses):
-            entry.priority = float(loss)
+    def set_priorities(self, scored: list[tuple[DistillRecord, float]]) -> None:
+        """The serving draft's loss on records (policy "priority"); records no longer held are
+        skipped, records not scored keep their priority (a new one: infinite, i.e. hard)."""
+        by_id = {id(record): loss for record, loss in scored}
+        for entry in self._entries:
+            if id(entry.record) in by_id:
+                entry.priority = float(by_id[id(entry.record)])
 
     def sample(self, n: int) -> list[DistillRecord]:
         """n records drawn without replacement (by priority for "priority", else uniformly)."""
@@ -110,13 +147,40 @@ class ReplayBuffer:
             chosen = None if used is None else {id(r) for r in used}
             for entry in list(self._entries):
                 if chosen is None or id(entry.record) in chosen:
-                    self._remove(entry)
+                    self._remove(entry, "evicted")
+
+    def expire(self) -> int:
+        """Drop the records older than the retention period (none without one); how many."""
+        if self.retention_seconds is None:
+            return 0
+        return self._drop(lambda e: e.record.created_at < self.clock() - self.retention_seconds, "expired")
+
+    def purge(self, request_id: str | None = None, before: float | None = None) -> int:
+        """Delete the records of request ``request_id`` (its student branches included), or
+        those recorded before time ``before``; how many were deleted."""
+        if request_id is None and before is None:
+            raise ValueError("purge needs a request id or a time")
+
+        def doomed(entry: _Entry) -> bool:
+            rid = entry.record.request_id
+            return (request_id is not None and (rid == request_id or rid.startswith(request_id + "#"))) or (
+                before is not None and entry.record.created_at < before)
+
+        return self._drop(doomed, "purged")
 
     # ---- internals ------------------------------------------------------------------------------
 
+    def _drop(self, doomed: Callable[[_Entry], bool], why: str) -> int:
+        victims = [e for e in self._entries if doomed(e)]
+        for entry in victims:
+            self._remove(entry, why)
+        if victims:
+            self._save_state()
+        return len(victims)
+
     def _enforce_bounds(self, keep: _Entry) -> None:
         while len(self._entries) > self.max_records or (self.nbytes > self.max_bytes and len(self._entries) > 1):
-            self._remove(self._victim(keep))
+            self._remove(self._victim(keep), "evicted")
 
     def _victim(self, keep: _Entry) -> _Entry:
         candidates = [e for e in self._entries if e is not keep] or self._entries
@@ -124,40 +188,66 @@ class ReplayBuffer:
             return min(candidates, key=lambda e: e.priority)
         return candidates[0]  # the oldest
 
-    def _remove(self, entry: _Entry) -> None:
-        self._entries.remove(entry)
-        (self.directory / f"{entry.seq:012d}.safetensors").unlink(missing_ok=True)
+    def _path(self, seq: int) -> Path:
+        return self.directory / f"{seq:012d}.safetensors"
 
-    def _next_seq_on_disk(self) -> int:
-        return json.loads(self._state_path.read_text()).get("next_seq", 0) if self._state_path.exists() else 0
+    def _remove(self, entry: _Entry, why: str) -> None:
+        self._entries.remove(entry)
+        self._path(entry.seq).unlink(missing_ok=True)
+        self.counts[why] += 1
 
     @property
     def _state_path(self) -> Path:
         return self.directory / "state.json"
 
     def _save_state(self) -> None:
-        next_seq = (self._entries[-1].seq + 1) if self._entries else self._next_seq_on_disk()
-        tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"offered": self._offered, "next_seq": next_seq}))
-        os.replace(tmp, self._state_path)
+        atomic_write(self._state_path, json.dumps({"offered": self._offered, "next_seq": self._next_seq}))
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        folder = self.directory / "quarantine"
+        folder.mkdir(exist_ok=True)
+        shutil.move(str(path), folder / f"{path.name}.{int(time.time() * 1e6)}")
+        (folder / "README.txt").write_text("Files found in the buffer that were not readable records; never trained on.\n")
+        self.counts["quarantined"] += 1
+        log.warning("buffer %s: moved %s to quarantine/ (%s)", self.directory, path.name, why)
 
     def _load(self) -> None:
+        state = {}
         if self._state_path.exists():
-            self._offered = json.loads(self._state_path.read_text()).get("offered", 0)
-        for path in sorted(self.directory.glob("*.safetensors")):
-            record = _load_record(path)
-            self._entries.append(_Entry(int(path.stem), record, _nbytes(record)))
-        for stale in self.directory.glob("*.tmp"):  # a write a crash interrupted: never acknowledged
-            stale.unlink()
-        self._offered = max(self._offered, len(self._entries))
+            try:
+                state = json.loads(self._state_path.read_text())
+            except ValueError as err:
+                self._quarantine(self._state_path, f"unreadable state: {err}")
+        for path in sorted(self.directory.iterdir()):
+            if path.name in ("state.json", "quarantine") or path.is_dir():
+                continue
+            if path.name.endswith(".tmp"):  # a write a crash interrupted: never acknowledged
+                path.unlink()
+                continue
+            if not _RECORD_NAME.fullmatch(path.name):
+                self._quarantine(path, "not a record file")
+                continue
+            try:
+                record, identity = _load_record(path)
+            except Exception as err:  # truncated, corrupt, missing fields: never load it
+                self._quarantine(path, f"unreadable record: {type(err).__name__}: {err}")
+                continue
+            if identity and self.identity and identity != self.identity:
+                raise ValueError(f"the replay buffer {self.directory} holds records of another tokenizer ({identity}, this "
+                                 f"model's is {self.identity}): give this model another --out-dir")
+            self._entries.append(_Entry(int(path.name[:12]), record, _nbytes(record)))
+        seqs = [e.seq + 1 for e in self._entries]
+        self._next_seq = max([int(state.get("next_seq", 0)), *seqs])
+        self._offered = max(int(state.get("offered", 0)), len(self._entries))
 
 
+_RECORD_NAME = re.compile(r"\d{12}\.safetensors")
 def _nbytes(record: DistillRecord) -> int:
     size = 8 * (len(record.token_ids) + len(record.positions)) + record.top_ids.nbytes + record.top_logprobs.nbytes
     return size + (record.features.nbytes + len(record.positions) if record.features is not None else 0)
 
 
-def _atomic_save(record: DistillRecord, path: Path) -> None:
+def _atomic_save(record: DistillRecord, path: Path, identity: str = "") -> None:
     tensors = {
         "token_ids": torch.tensor(record.token_ids, dtype=torch.long),
         "positions": torch.tensor(record.positions, dtype=torch.long),
@@ -167,19 +257,28 @@ def _atomic_save(record: DistillRecord, path: Path) -> None:
     if record.features is not None:
         tensors["features"] = record.features.contiguous()
         tensors["rejected"] = torch.tensor(record.rejected, dtype=torch.bool)
-    meta = {"prompt_len": str(record.prompt_len), "domain": record.domain, "request_id": record.request_id}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    meta = {"prompt_len": str(record.prompt_len), "domain": record.domain, "request_id": record.request_id,
+            "created_at": repr(record.created_at), "identity": identity}
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        kill_point("record.start")
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except SafetensorError as err:  # its I/O errors (a full disk) are OSErrors like any write's
+            raise OSError(f"the record could not be written to {tmp}: {err}") from err
+        kill_point("record.written")
+        commit(tmp, path)
+        kill_point("record.committed")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def _load_record(path: Path) -> DistillRecord:
+def _load_record(path: Path) -> tuple[DistillRecord, str]:
     tensors = load_file(str(path))
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata()
-    return DistillRecord(
+    record = DistillRecord(
         tensors["token_ids"].tolist(),
         tensors["positions"].tolist(),
         tensors["top_ids"],
@@ -189,4 +288,8 @@ def _load_record(path: Path) -> DistillRecord:
         meta["request_id"],
         tensors.get("features"),
         tensors["rejected"].tolist() if "rejected" in tensors else None,
+        float(meta.get("created_at") or path.stat().st_mtime),
     )
+    if len(record.positions) != len(record.top_ids) or (record.positions and max(record.positions) >= len(record.token_ids)):
+        raise ValueError("its positions do not match its tokens")
+    return record, meta.get("identity", "")

@@ -17,6 +17,8 @@ priority.
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import os
 import threading
 import time
@@ -26,15 +28,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
-from onlinespec.drafts.feature_head import FeatureHead
-from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.decoding.speculative import Generation
-from onlinespec.distill.step import DistillConfig, distill_step, evaluate
+from onlinespec.distill.loop import run_steps
+from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.recorder import SOURCES, records_from_generation
+from onlinespec.online.learnable import LearnableDraft, learnable
+from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
 
 UNITS = ("requests", "records", "tokens")
+log = logging.getLogger("onlinespec.learner")
 
 
 @dataclass
@@ -56,8 +59,20 @@ class LearnerConfig:
     priority: str = "low"  # low: the OS runs the learner only on CPU time serving leaves; normal
     cpu_share: float = 1.0  # the most wall time the learner computes (it sleeps the rest)
     chain_depth: int = 4  # feature heads: draft steps unrolled in training
+    max_failures: int = 3  # updates failing in a row before the learner stops trying (serving goes on)
+    keep_versions: int = 0  # keep this many newest registry versions (plus the current one and its parent); 0: all
 
     def __post_init__(self) -> None:
+        if self.position_policy not in POSITION_POLICIES:
+            raise ValueError(f"unknown position policy {self.position_policy!r}: use one of {POSITION_POLICIES}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"the learning rate must be a positive number, got {self.lr}")
+        if not 0.0 < self.gate_fraction < 1.0:
+            raise ValueError(f"gate_fraction must lie in (0, 1), got {self.gate_fraction}")
+        if not (math.isfinite(self.gate_margin) and self.gate_margin >= 0):
+            raise ValueError(f"gate_margin must be >= 0, got {self.gate_margin}")
+        if self.batch_size < 1 or self.chain_depth < 1 or self.max_failures < 1 or self.keep_versions < 0:
+            raise ValueError("batch_size, chain_depth and max_failures must be >= 1, keep_versions >= 0")
         if self.interval_unit not in UNITS:
             raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
         if self.source not in SOURCES:
@@ -86,6 +101,7 @@ class UpdateReport:
     by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
     ended_at: float = 0.0  # wall-clock time
     outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
+    # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
 
 
 class OnlineLearner:
@@ -98,54 +114,90 @@ class OnlineLearner:
         background: bool = True,
         on_event: Callable[[dict], None] | None = None,
         slot: threading.Semaphore | None = None,
+        identity: dict | None = None,
     ) -> None:
         """``on_event`` is called from the learner thread when an update starts and when it ends.
         ``slot``: shared by the learners of several drafts, so that one update runs at a time
-        (each has the CPU budget to itself); a due update waits for it, it is never dropped."""
+        (each has the CPU budget to itself); a due update waits for it, it is never dropped.
+        ``identity`` (target, draft spec, tokenizer) goes into every published version's
+        metadata; a registry written for another identity is refused."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
-        self.on_event, self.slot = on_event, slot
+        self.on_event, self.slot = on_event or (lambda event: None), slot
         self.config = config or LearnerConfig()
         self.background = background
+        self.identity = identity or {}
+        self.learnable: LearnableDraft = learnable(proposer.model)
         self.reports: list[UpdateReport] = []
         self._count = 0
         self._records_seen = 0
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the buffer between serving and learner threads
+        self._registry_lock = threading.Lock()  # a publish, and noticing another process's CURRENT
         self._cancel = threading.Event()
         self.steps_done = 0  # optimizer steps taken by all updates (cancelled ones included)
         self.failures: list[str] = []  # updates that raised (the serving path never sees their errors)
+        self.consecutive_failures = 0
+        self.stopped: str | None = None  # why the learner gave up (max_failures in a row); serving goes on
+        self.write_failures = 0  # records a failed disk write skipped
+        self.pruned: list[str] = []  # versions deleted by keep_versions
         self.pinned = False  # an operator pinned the serving version: updates still run, none publishes
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
-        current = registry.current()
+        current = self._recover()
         if current is None:
-            registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft"})
+            registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft",
+                                                           "identity": self.identity})
             proposer.version = registry.current()
-        else:  # a restart (or a rollback): serve the registry's current version, not the starting draft
-            proposer.swap_model(self._load_version(current), current)
-            proposer.take_swap()  # take it now: nothing is being served yet
         # the newest published draft: the next update starts from it even if the proposer has not
         # taken it yet (it swaps between rounds), so no update's work is ever dropped
         self._latest = (proposer.model, proposer.version)
+        self._current = proposer.version  # the version this process last made CURRENT
         self._optimizer_state: dict | None = None  # the optimizer of the newest published draft
+
+    def _recover(self) -> str | None:
+        """A restart (or a rollback): serve the registry's current version, not the starting
+        draft; an unreadable version is quarantined and the newest valid one served."""
+        while (current := self.registry.recover()) is not None:
+            self.registry.check_identity(self.identity)
+            try:
+                model = self._load_version(current)
+            except ValueError:  # weights of another draft: the operator must choose
+                raise
+            except Exception as err:  # unreadable: never serve it
+                self.registry._quarantine(current, f"{type(err).__name__}: {err}")
+                continue
+            self.proposer.swap_model(model, current)
+            self.proposer.take_swap()  # take it now: nothing is being served yet
+            return current
+        return None
 
     def _load_version(self, version: str):
         """A private copy of the serving draft holding ``version``'s weights."""
-        model = _private_copy(self.proposer.model)
-        model.load_state_dict(self.registry.load(version), strict=False)
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
+        model = self.learnable.copy(self.proposer.model)
+        self.learnable.load(model, self.registry.load(version), f"the weights of {self.registry.directory.name} {version}")
         return model.eval()
 
     def observe(
         self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True, start: bool = True,
-    ) -> None:
-        """Record a served request (skipped when ``train`` is False) and, with ``start``, start an
-        update when due (a pool of drafts starts it itself, in the order the updates fell due)."""
+    ) -> bool:
+        """Record a served request and, with ``start``, start an update when due (a pool of drafts
+        starts it itself, in the order the updates fell due). ``train=False`` (the client opted
+        out): nothing is stored and the request does not count towards the interval. Returns
+        whether every record is durable; a record whose write fails (a full disk) is skipped and
+        counted, and serving goes on."""
+        if not train:
+            return False
         config = self.config
-        records = records_from_generation(generation, config.position_policy, config.source, domain, request_id) if train else []
+        records = records_from_generation(generation, config.position_policy, config.source, domain, request_id)
+        stored = True
         with self._lock:
             for record in records:
-                self.buffer.add(record)
+                try:
+                    self.buffer.add(record)
+                except OSError as err:
+                    stored = False
+                    self.write_failures += 1
+                    log.error("draft %s: a record of request %s was not stored (%s); serving goes on",
+                              self.registry.directory.name, request_id, err)
             self._records_seen += len(records)
             unit = self.config.interval_unit
             self._count += {"requests": 1, "records": len(records), "tokens": len(generation.token_ids)}[unit]
@@ -153,19 +205,31 @@ class OnlineLearner:
             self.due_since = time.monotonic()
         if start:
             self.maybe_update()
+        return stored
 
     @property
     def due(self) -> bool:
-        """I units have been served since the last update started."""
-        return self._count >= self.config.update_interval
+        """I units have been served since the last update started (never once the learner stopped)."""
+        return self.stopped is None and self._count >= self.config.update_interval
 
     def maybe_update(self) -> bool:
         """Start the update that is due, if this learner and the shared slot are free (serving thread)."""
-        return self.due and self.update_now()
+        return self.due and self._begin()
 
     def update_now(self) -> bool:
-        """Start an update now, whatever the count (also an operator's request); the count
-        starts again. False if this learner or the shared slot is busy."""
+        """Start an update now, whatever the count (an operator's request, which also restarts a
+        learner that stopped after failures); the count starts again. False if this learner or
+        the shared slot is busy."""
+        if self.busy:
+            return False
+        stopped, failures = self.stopped, self.consecutive_failures
+        self.stopped, self.consecutive_failures = None, 0
+        if self._begin():
+            return True
+        self.stopped, self.consecutive_failures = stopped, failures
+        return False
+
+    def _begin(self) -> bool:
         if self.start_update():
             self._count, self.due_since = 0, None
             return True
@@ -204,28 +268,36 @@ class OnlineLearner:
         one): the update in flight is abandoned, and the next update starts from ``version``."""
         self.stop()
         model = self._load_version(version)
-        self.registry.set_current(version)
+        with self._registry_lock:
+            self.registry.set_current(version)
+            self._current = version
         self.proposer.swap_model(model, version)
         self._latest, self._optimizer_state = (model, version), None
 
-    # ---- the update (learner thread) ------------------------------------------------------------
+    def follow_registry(self) -> str | None:
+        """Serve the version another process made CURRENT (``onlinespec drafts rollback`` while
+        this one serves); the version now served if it changed, else None."""
+        with self._registry_lock:
+            try:
+                current = self.registry.current()
+            except OSError:
+                return None
+            if not current or current == self._current or current not in self.registry.versions():
+                return None
+        self.serve_version(current)
+        self.on_event({"event": "rollback", "version": current, "by": "another process (CURRENT changed)", "time": time.time()})
+        return current
 
-    def _objective(self, train: list):
-        """(training examples, step(candidate, optimizer, batch), evaluate(model, records)) for this
-        draft: records for a draft LM; chain start positions for a feature head."""
-        config = self.config.distill
-        if isinstance(self.proposer.model, FeatureHead):
-            task = chain_task(train, self.config.position_policy, ChainConfig(depth=self.config.chain_depth))
-            return (
-                task.starts.tolist(),
-                lambda model, optimizer, batch: task.step(model, optimizer, batch, config),
-                lambda model, records: head_metrics(model, records, config),
-            )
-        return (
-            train,
-            lambda model, optimizer, batch: distill_step(model, optimizer, batch, config),
-            lambda model, records: evaluate(model, records, config),
-        )
+    def score(self) -> None:
+        """Priority policy: the serving draft's loss on every buffered record (hardest kept)."""
+        with self._lock:
+            records = self.buffer.records()
+        model, distill = self._latest[0], self.config.distill
+        scored = [(r, self.learnable.metrics(model, [r], distill)["loss"]) for r in records]
+        with self._lock:
+            self.buffer.set_priorities(scored)
+
+    # ---- the update (learner thread): snapshot, train, gate, publish, hand over -------------------
 
     def _held_out(self, records: list) -> tuple[list, dict[str, list]]:
         """(training records, held-out groups): the newest ``gate_fraction`` of each domain's
@@ -256,86 +328,114 @@ class OnlineLearner:
         try:
             self._budget()
             self._run_update()
+            self.consecutive_failures = 0
         except Exception as err:  # an update that fails publishes nothing and never stops serving
-            self.failures.append(f"{type(err).__name__}: {err}")
-            if self.on_event:
-                self.on_event({"event": "update_failed", "error": self.failures[-1], "parent": self._latest[1], "time": time.time()})
+            self._failed(f"{type(err).__name__}: {err}")
         finally:
             if self.slot is not None:
                 self.slot.release()
             if not self.background:  # the update ran on the serving thread: give it its threads back
                 torch.set_num_threads(serving_threads)
 
+    def _failed(self, error: str) -> None:
+        self.failures.append(error)
+        self.consecutive_failures += 1
+        log.error("draft %s: an update failed (%s); serving goes on", self.registry.directory.name, error)
+        self.on_event({"event": "update_failed", "error": error, "parent": self._latest[1], "time": time.time()})
+        if self.consecutive_failures >= self.config.max_failures:
+            self.stopped = (f"{self.consecutive_failures} updates failed in a row (the last: {error}); learning stopped, "
+                            "serving goes on with the last published version: fix the cause, then start an update (admin API)")
+            log.error("draft %s: %s", self.registry.directory.name, self.stopped)
+            self.on_event({"event": "learner_stopped", "reason": self.stopped, "time": time.time()})
+
     def _run_update(self) -> None:
         start = time.perf_counter()
         with self._lock:
-            records = self.buffer.records()
-            records_seen = self._records_seen
+            records, records_seen = self.buffer.records(), self._records_seen
         if len(records) < 2:
             return
-        if self.on_event:
-            self.on_event({"event": "update_start", "records": len(records), "parent": self._latest[1], "time": time.time()})
+        self.on_event({"event": "update_start", "records": len(records), "parent": self._latest[1], "time": time.time()})
         train, groups = self._held_out(records)
-        held_out = [r for rs in groups.values() for r in rs]
         serving, parent = self._latest
-        # private: the serving draft is never touched (a head shares only its frozen target tensors)
-        candidate = _private_copy(serving)
-        examples, step, evaluate_fn = self._objective(train)
-        if not examples:
+        trained = self._train(serving, train)
+        if trained is None:  # no example to train on, or cancelled
             return
-        before = evaluate_fn(serving, held_out)
-        before_by = {d: evaluate_fn(serving, rs)["alpha"] for d, rs in groups.items()} if len(groups) > 1 else {}
+        candidate, optimizer, examples = trained
+        before, after, by_domain, passed = self._gate(serving, candidate, groups)
+        if self._cancel.is_set():  # shutdown or a rollback while it ran: never publish
+            return
+        version, outcome = None, "pinned" if passed and self.pinned else "refused"
+        if passed and not self.pinned:
+            version = self._publish(candidate, {
+                "parent": parent, "records_seen": records_seen, "loss_before": before["loss"], "loss_after": after["loss"],
+                "alpha_before": before["alpha"], "alpha_after": after["alpha"], "alpha_by_domain": by_domain,
+                "config": asdict(self.config), "identity": self.identity,
+            }, parent)
+            outcome = "published" if version else "superseded"
+        if version:
+            self._hand_over(candidate, version, optimizer, records)
+        if self.buffer.policy == "priority":
+            self.score()
+        report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
+                              time.perf_counter() - start, examples, by_domain, time.time(), outcome)
+        self.reports.append(report)
+        self.on_event({"event": "update", **asdict(report), "time": time.time()})
+
+    def _train(self, serving, records: list):
+        """Train a private copy of ``serving`` on ``records``: (candidate, optimizer, examples
+        drawn from), or None if there is nothing to train on or the update was cancelled."""
+        objective = self.learnable.objective(records, self.config.position_policy, self.config.chain_depth, self.config.distill)
+        if not objective.examples:
+            return None
+        candidate = self.learnable.copy(serving)  # the serving draft is never touched
         optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
         if self._optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
             optimizer.load_state_dict(self._optimizer_state)
             for group in optimizer.param_groups:
                 group["lr"] = self.config.lr
-        candidate.requires_grad_(True)
         generator = torch.Generator().manual_seed(len(self.reports))
-        share = self.config.cpu_share
-        for _ in range(self.config.steps_per_update):
-            pick = torch.randint(len(examples), (min(self.config.batch_size, len(examples)),), generator=generator).tolist()
-            if self._cancel.is_set():
-                return
-            tick = time.perf_counter()
-            step(candidate, optimizer, [examples[i] for i in pick])
+        n, size = len(objective.examples), min(self.config.batch_size, len(objective.examples))
+        batches = ([objective.examples[i] for i in torch.randint(n, (size,), generator=generator).tolist()]
+                   for _ in range(self.config.steps_per_update))
+        share, tick = self.config.cpu_share, [time.perf_counter()]
+
+        def after_step(i: int, loss: float) -> None:
             self.steps_done += 1
-            if share < 1.0:
-                time.sleep((time.perf_counter() - tick) * (1.0 - share) / share)
-        candidate.requires_grad_(False).eval()
-        after = evaluate_fn(candidate, held_out)
-        by_domain = {d: [before_by[d], evaluate_fn(candidate, rs)["alpha"]] for d, rs in groups.items()} if before_by else {}
-        margin = self.config.gate_margin
-        version = None
+            if share < 1.0:  # sleep so that computing takes at most `share` of wall time
+                time.sleep((time.perf_counter() - tick[0]) * (1.0 - share) / share)
+            tick[0] = time.perf_counter()
+
+        run_steps(candidate, optimizer, objective.step, batches, stop=self._cancel.is_set, after_step=after_step)
+        return None if self._cancel.is_set() else (candidate, optimizer, n)
+
+    def _gate(self, serving, candidate, groups: dict[str, list]):
+        """(serving's figures, the candidate's, {domain: [alpha before, after]}, passed): the
+        candidate passes if its alpha on the held-out records is no worse than the serving
+        draft's (less ``gate_margin``), pooled and, with several domains, on each."""
+        metrics, distill, margin = self.learnable.metrics, self.config.distill, self.config.gate_margin
+        held_out = [r for rs in groups.values() for r in rs]
+        before, after = metrics(serving, held_out, distill), metrics(candidate, held_out, distill)
+        by_domain = ({d: [metrics(serving, rs, distill)["alpha"], metrics(candidate, rs, distill)["alpha"]] for d, rs in groups.items()}
+                     if len(groups) > 1 else {})
         passed = after["alpha"] >= before["alpha"] - margin and all(a >= b - margin for b, a in by_domain.values())
-        if self._cancel.is_set():  # shutdown or a rollback while it ran: never publish
-            return
-        if passed and not self.pinned:
-            meta = {
-                "parent": parent,
-                "records_seen": records_seen,
-                "loss_before": before["loss"],
-                "loss_after": after["loss"],
-                "alpha_before": before["alpha"],
-                "alpha_after": after["alpha"],
-                "alpha_by_domain": by_domain,
-                "config": asdict(self.config),
-            }
+        return before, after, by_domain, passed
+
+    def _publish(self, candidate, meta: dict, parent: str) -> str | None:
+        """Write the candidate to the registry as the new CURRENT; None if another process
+        changed CURRENT meanwhile (its choice stands; :meth:`follow_registry` takes it)."""
+        with self._registry_lock:
+            if self.registry.current() != self._current:
+                return None
             version = self.registry.publish(candidate.state_dict(), meta)
-            self._latest = (candidate, version)
-            self._optimizer_state = copy.deepcopy(optimizer.state_dict())
-            self.proposer.swap_model(candidate, version)
-            with self._lock:
-                self.buffer.after_update(records)
-        outcome = "published" if version else "pinned" if passed else "refused"
-        report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              time.perf_counter() - start, len(examples), by_domain, time.time(), outcome)
-        self.reports.append(report)
-        if self.on_event:
-            self.on_event({"event": "update", **asdict(report), "time": time.time()})
+            self._current = version
+        if self.config.keep_versions:
+            self.pruned += self.registry.prune(self.config.keep_versions)
+        return version
 
-
-
-def _private_copy(model):
-    """A copy to train: a head shares only its frozen target tensors, a draft LM is copied whole."""
-    return model.clone() if isinstance(model, FeatureHead) else copy.deepcopy(model)
+    def _hand_over(self, candidate, version: str, optimizer, records: list) -> None:
+        """The proposer takes the new version between two rounds; the next update starts from it."""
+        self._latest = (candidate, version)
+        self._optimizer_state = copy.deepcopy(optimizer.state_dict())
+        self.proposer.swap_model(candidate, version)
+        with self._lock:
+            self.buffer.after_update(records)

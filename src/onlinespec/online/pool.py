@@ -11,8 +11,14 @@ update runs at a time, with the whole learner CPU budget, and an update that fal
 another draft's runs starts as soon as the slot is free (checked after every request).
 
 Operators steer learning through the pool (the server's admin API): pause and resume it (served
-requests are still recorded), start an update now, roll a draft back, pin a version. Every
-method may be called from any thread.
+requests are still recorded), start an update now, roll a draft back, pin a version, purge a
+request's records. ``onlinespec drafts rollback`` from another process takes effect too: the
+pool notices the changed CURRENT (:meth:`DraftPool.tick`). Every method may be called from any
+thread.
+
+Governance (:meth:`DraftPool.governance`): records stored, refused because the client opted out
+(``train: false``: no record, no trace, not counted towards the interval), expired by
+retention, purged, quarantined, versions pruned.
 """
 
 from __future__ import annotations
@@ -61,12 +67,18 @@ class DraftPool:
         buffer_policy: str = "window",
         buffer_records: int = 2000,
         on_event: Callable[[dict], None] | None = None,
+        buffer_bytes: int = 512 * 2**20,
+        retention_seconds: float | None = None,
+        identity: dict | None = None,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
-        ``learner=None`` serves every draft static (no buffer, no registry)."""
+        ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
+        (target, draft spec, tokenizer fingerprint) is stored with every record and version."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
-        self.buffer_policy, self.buffer_records = buffer_policy, buffer_records
+        self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
+        self.retention_seconds, self.identity = retention_seconds, identity or {}
+        self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
         self.drafts: dict[str, Draft] = {}
@@ -88,23 +100,61 @@ class DraftPool:
         if self.learner_config is not None:
             if not hasattr(proposer, "swap_model"):
                 raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {getattr(proposer, 'name', 'none')!r}")
-            buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records)
+            buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
+                                  max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
+                                  identity=self.identity.get("tokenizer", ""))
             registry = DraftRegistry(self.out_dir / "drafts" / name)
-            learner = OnlineLearner(proposer, buffer, registry, self.learner_config,
+            learner = OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
                                     on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
-            self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version,
-                           "buffer_records": len(buffer)})
+            self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": len(buffer),
+                           "quarantined": buffer.counts["quarantined"] + len(registry.quarantined)})
         return Draft(name, proposer, adaptive, learner)
 
-    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> None:
-        """Record a served request with its draft's learner (durable when this returns); then, if
-        the slot is free, start the update that has waited longest for it (first due, first
-        served: none waits for ever)."""
+    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> bool:
+        """Record a served request with its draft's learner (durable when this returns; whether
+        every record was stored); then, if the slot is free, start the update that has waited
+        longest for it (first due, first served: none waits for ever)."""
         if draft.learner is None:
-            return
-        draft.learner.observe(generation, domain, request_id, train, start=False)
+            return False
+        if not train:
+            self.opted_out += 1
+            return False
+        stored = draft.learner.observe(generation, domain, request_id, train, start=False)
         with self._lock:
             self._start_next()
+        return stored
+
+    def tick(self) -> None:
+        """Housekeeping, every second or so (the core's recorder thread): expire records past
+        retention, and serve the version another process made CURRENT."""
+        for learner in self.learners:
+            with learner._lock:
+                learner.buffer.expire()
+            learner.follow_registry()
+
+    def purge(self, request_id: str | None = None, before: float | None = None) -> int:
+        """Delete a request's records (or those recorded before ``before``) from every buffer."""
+        removed = 0
+        for learner in self.learners:
+            with learner._lock:
+                removed += learner.buffer.purge(request_id, before)
+        return removed
+
+    def governance(self) -> dict:
+        """What happened to the training data: see the module docstring."""
+        counts = dict.fromkeys(("stored", "evicted", "expired", "purged", "quarantined"), 0)
+        held = write_failures = pruned = 0
+        for learner in self.learners:
+            for key, n in learner.buffer.counts.items():
+                counts[key] += n
+            counts["quarantined"] += len(learner.registry.quarantined)
+            held += len(learner.buffer)
+            write_failures += learner.write_failures
+            pruned += len(learner.pruned)
+        return {"records_stored": counts["stored"], "records_held": held, "refused_opt_out": self.opted_out,
+                "write_failures": write_failures, "evicted": counts["evicted"], "expired": counts["expired"],
+                "purged": counts["purged"], "quarantined": counts["quarantined"], "versions_pruned": pruned,
+                "retention_seconds": self.retention_seconds}
 
     def _start_next(self) -> bool:
         waiting = [learner for learner in self.learners if learner.due]

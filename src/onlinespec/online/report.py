@@ -25,6 +25,8 @@ def write_report(results: dict[str, dict], out_dir: str | Path, title: str, comm
     lines += ["| run | domain | requests | tokens/s | alpha mean | alpha first 50 | alpha last 50 |", "|---|---|---|---|---|---|---|"]
     for label, result in results.items():
         for name, fig in [("all", result["summary"]), *result["domains"].items()]:
+            if not fig.get("n_requests"):
+                continue
             lines.append(
                 f"| {label} | {name} | {fig['n_requests']} | {fig['tokens_per_s']:.1f} | {fig['acceptance_rate_mean']:.3f} | "
                 f"{fig['acceptance_rate_first_50']:.3f} | {fig['acceptance_rate_last_50']:.3f} |"
@@ -33,10 +35,28 @@ def write_report(results: dict[str, dict], out_dir: str | Path, title: str, comm
         if result["updates"]:
             lines += ["", f"{label}: " + "; ".join(update_counts(result["updates"])) + " (the gate refused the rest)."]
         lines += comparison_lines(label, result.get("comparison"))
+        lines += health_lines(label, result)
     lines += ["", f"![alpha over requests]({plot.name})", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def health_lines(label: str, result: dict) -> list[str]:
+    """Failed requests, failed updates, stopped learners, and the training data's governance."""
+    lines = []
+    errors = result.get("errors", [])
+    if errors:
+        lines += ["", f"{label}: {len(errors)} requests failed (left out of the figures); the first: {errors[0]['id']}: {errors[0]['error']}"]
+    learner = result.get("learner", {})
+    for name, failures in learner.get("update_failures", {}).items():
+        lines += ["", f"{label}: draft {name}: {len(failures)} updates failed; the last: {failures[-1]}"]
+    for name, reason in learner.get("learners_stopped", {}).items():
+        lines += ["", f"{label}: draft {name}: the learner stopped: {reason}"]
+    governance = result.get("governance")
+    if governance:
+        lines += ["", f"Training data ({label}): " + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in governance.items())]
+    return lines
 
 
 def ci_text(comparison: dict) -> str:

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``),
 ``GET /v1/models``, ``GET /health`` (the process is alive), ``GET /ready`` (model loaded and
 calibrated), ``GET /metrics`` (Prometheus text), and the admin API under ``/admin`` (Bearer
-``--admin-key``): list drafts and versions, pause / resume learning, start an update, roll back,
+``--admin-key``): list drafts and versions (with the training data's governance counts), pause / resume learning,
+start an update, roll back, purge a request's training records (``POST /admin/data/purge``),
 pin a version. Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Handlers never block the event loop: the core's threads push each request's events, and a
@@ -230,7 +231,25 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
     @app.get("/admin/drafts")
     async def admin_drafts(request: Request):
         authorize(request, settings.admin_key, admin=True)
-        return {"learning": core.learning() if core.ready else None, "drafts": core.drafts() if core.ready else []}
+        return {"learning": core.learning() if core.ready else None, "drafts": core.drafts() if core.ready else [],
+                "governance": core.governance() if core.ready else None}
+
+    @app.post("/admin/data/purge")
+    async def admin_purge(request: Request):
+        authorize(request, settings.admin_key, admin=True)
+        if not core.ready:
+            raise ServeError(f"not ready: the model is {core.status}")
+        try:
+            data = json.loads(await body_of(request) or b"{}")
+        except ValueError:
+            data = None
+        shape = "the body must be {\"request_id\": \"ID\"} or {\"older_than_days\": 30}"
+        if not isinstance(data, dict) or set(data) - {"request_id", "older_than_days"}:
+            raise ServeError(shape)
+        rid, days = data.get("request_id"), data.get("older_than_days")
+        if not isinstance(rid, (str, type(None))) or isinstance(days, bool) or not isinstance(days, (int, float, type(None))):
+            raise ServeError(shape)
+        return await asyncio.to_thread(core.purge, rid, days)
 
     @app.post("/admin/learning/{action}")
     async def admin_learning(request: Request, action: str):

@@ -51,13 +51,15 @@ from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
+from onlinespec.online.storage import OutDirLock, atomic_write, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
-from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids
+from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
 
 log = logging.getLogger("onlinespec.requests")
 
 STATIC, TARGET_ALONE = RESERVED  # drafts a request may ask for by name, never trained on
+TICK_SECONDS = 1.0  # housekeeping (retention, another process's rollback) at least this often
 
 
 @dataclass
@@ -81,6 +83,8 @@ class CoreConfig:
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     log_text: bool = False  # request log lines carry prompt and output text
+    retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
+    max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -89,6 +93,14 @@ class CoreConfig:
             raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0 and default_max_tokens >= 1 are required")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.retention_days is not None and not self.retention_days > 0:
+            raise ValueError(f"retention_days must be > 0 (or unset: keep records), got {self.retention_days}")
+        if self.max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
+
+    @property
+    def retention_seconds(self) -> float | None:
+        return None if self.retention_days is None else self.retention_days * 86400.0
 
     @property
     def learning(self) -> bool:
@@ -221,13 +233,15 @@ class ServingCore:
         threads; the core also appends them to ``out_dir/events.jsonl``. ``target``: an already
         loaded target to share (else :meth:`load` loads ``config.target``)."""
         self.config, self.out_dir = config, Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = OutDirLock(self.out_dir).acquire()  # OutDirBusy if another process serves from it
+        self._prune_events()
         self.metrics = ServeMetrics()
         self.target = target
         self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
         self.error: str | None = None
         self._on_event = on_event
-        self._events = open(self.out_dir / "events.jsonl", "a")
+        self._events = open(self._events_path, "a")
+        self.event_write_failures = 0
         self._events_lock = threading.Lock()
         self._lock = threading.Lock()
         self._wake = threading.Condition()
@@ -239,6 +253,23 @@ class ServingCore:
         self._served = 0
         self._recent_seconds = 1.0  # moving average of request seconds (Retry-After)
         self.started_at = time.time()
+
+    @property
+    def _events_path(self) -> Path:
+        return self.out_dir / "events.jsonl"
+
+    def _prune_events(self) -> None:
+        """With a retention period, event-log lines older than it go (on start)."""
+        if self.config.retention_seconds is None or not self._events_path.exists():
+            return
+        cutoff, kept = time.time() - self.config.retention_seconds, []
+        for line in self._events_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("time", 0) >= cutoff:
+                    kept.append(line)
+            except ValueError:  # a line a crash cut short
+                continue
+        atomic_write(self._events_path, "".join(line + "\n" for line in kept))
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -275,7 +306,6 @@ class ServingCore:
             self.target = load_model(config.target, config.dtype)
         model, tokenizer = self.target.model, self.target.tokenizer
         self.tokenizer, self.eos = tokenizer, eos_token_ids(model, tokenizer)
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.status = "calibrating"
         speculative = config.draft != "none"
         options = engine_options(self.target, config.k, adaptive=config.adaptive_k, kernels=config.kernels,
@@ -288,11 +318,14 @@ class ServingCore:
 
         self.engine = SpeculativeEngine(model, self.eos, config.k if speculative else 0, cost_curve=options.get("cost_curve"),
                                         pad=options.get("pad", False), prefill_chunk=config.prefill_chunk)
+        self.context = self.engine.context
         self.scheduler = Scheduler(self.engine, config.max_batch)
         learning = config.learning
         router = Router(config.router if learning else "single", config.max_drafts, saved_drafts(self.out_dir) if learning else ())
+        self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning else None, config.buffer_policy,
-                              config.buffer_records, on_event=self._learner_event)
+                              config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
+                              retention_seconds=config.retention_seconds, identity=self.identity)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
@@ -311,6 +344,7 @@ class ServingCore:
             self._loop_thread.join(300)
         if self.status != "ready":
             self.status = "stopped"
+            self.lock.release()
             return
         self.status, self._stopping = "draining", True
         deadline = time.monotonic() + drain_seconds
@@ -327,10 +361,14 @@ class ServingCore:
         self._recorder_thread.join(60)
         for learner in self.pool.learners:
             learner.stop(timeout=60)
-        self.event({"event": "stop", "requests_served": self._served})
+        self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
         self.status = "stopped"
         with self._events_lock:
-            self._events.close()
+            try:
+                self._events.close()
+            except OSError:  # the buffered tail of the log could not be written (a full disk)
+                self.event_write_failures += 1
+        self.lock.release()
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -345,16 +383,16 @@ class ServingCore:
     def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
         """The request's budget: what it asked, or the default, within the context left; a prompt
         that leaves no room, or a request for more than is left, is a clear error."""
-        room = self.context - prompt_tokens - (self.engine.k + 1)  # a verification block reaches k + 1 past the text
+        room = self.engine.room(prompt_tokens)
         if room < 1:
             raise ServeError(f"the prompt has {prompt_tokens} tokens: the model's context is {self.context} tokens, "
                              f"so a prompt may have at most {self.context - self.engine.k - 2}", param="messages", code="context_length_exceeded")
         if requested is None:
             return min(room, self.config.default_max_tokens)
-        if requested > room:
-            raise ServeError(f"prompt ({prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model's context of "
-                             f"{self.context} tokens: ask for at most {room} new tokens for this prompt",
-                             param="max_tokens", code="context_length_exceeded")
+        try:
+            self.engine.check_fits(prompt_tokens, requested)
+        except ValueError as err:
+            raise ServeError(str(err).replace("max_new_tokens", "max_tokens"), param="max_tokens", code="context_length_exceeded") from None
         return requested
 
     def submit(
@@ -475,6 +513,7 @@ class ServingCore:
                 logging.getLogger("onlinespec.serve").exception("a step failed")
                 self._reset(f"{type(err).__name__}: {err}")
                 continue
+            kill_point("serve.step")
             self.metrics.running.set(len(self.scheduler.running))
             self.metrics.waiting.set(len(self.scheduler.waiting))
             now = time.perf_counter()
@@ -519,12 +558,26 @@ class ServingCore:
 
     def _record_loop(self) -> None:
         torch.set_num_threads(1)  # see the module docstring: the engine thread keeps the cores
-        while (handle := self._finished.get()) is not None:
+        last_tick = time.monotonic()
+        while True:
             try:
-                self._complete(handle)
-            except Exception as err:  # never leave a client waiting
-                logging.getLogger("onlinespec.serve").exception("completing a request failed")
-                handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
+                handle = self._finished.get(timeout=TICK_SECONDS)
+            except queue.Empty:
+                handle = False
+            if handle is None:
+                return
+            if handle:
+                try:
+                    self._complete(handle)
+                except Exception as err:  # never leave a client waiting
+                    logging.getLogger("onlinespec.serve").exception("completing a request failed")
+                    handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
+            if time.monotonic() - last_tick >= TICK_SECONDS:
+                last_tick = time.monotonic()
+                try:  # retention, and a CURRENT another process changed
+                    self.pool.tick()
+                except Exception:
+                    logging.getLogger("onlinespec.serve").exception("housekeeping failed; serving goes on")
 
     def _complete(self, handle: Handle) -> None:
         state, draft = handle.state, handle.draft
@@ -532,11 +585,15 @@ class ServingCore:
         generation = Generation(text, list(state.stop.generated), state.prompt_ids, state.stats, state.trace or [])
         recorded = False
         if draft.learner is not None:
-            try:  # durable when it returns; the request counts towards the update interval either way
-                self.pool.observe(draft, generation, handle.domain, handle.request_id, train=handle.train)
-                recorded = handle.train
+            failures = draft.learner.write_failures
+            try:  # durable when it returns; a record a disk write failed is skipped and counted
+                recorded = self.pool.observe(draft, generation, handle.domain, handle.request_id, train=handle.train)
             except Exception as err:
                 logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
+            if draft.learner.write_failures > failures:
+                self.metrics.record_failures.labels(draft.name).inc(draft.learner.write_failures - failures)
+            if not handle.train:
+                self.metrics.opted_out.inc()
         stats = state.stats
         reason = "length" if stats.finish_reason == "length" else "stop"
         served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
@@ -561,6 +618,7 @@ class ServingCore:
             line.update(prompt=handle.prompt_text, text=text)
         log.info(json.dumps(line))
         self.event(line)
+        kill_point("serve.answer")
         handle.emit(served)
 
     # ---- events and operators ---------------------------------------------------------------------
@@ -569,8 +627,13 @@ class ServingCore:
         event = {**event, "time": event.get("time", time.time())}
         with self._events_lock:
             if not self._events.closed:
-                self._events.write(json.dumps(event) + "\n")
-                self._events.flush()
+                try:
+                    self._events.write(json.dumps(event) + "\n")
+                    self._events.flush()
+                except OSError as err:  # a full disk: the log loses lines, serving goes on
+                    self.event_write_failures += 1
+                    if self.event_write_failures == 1:
+                        logging.getLogger("onlinespec.serve").error("the event log could not be written (%s); serving goes on", err)
         if self._on_event is not None:
             self._on_event(event)
 
@@ -582,6 +645,8 @@ class ServingCore:
                 self.metrics.serving(name, event["version"])
         elif event["event"] == "update_failed":
             self.metrics.update(name, "failed")
+        elif event["event"] == "learner_stopped":
+            self.metrics.learner_stopped.labels(name).set(1)
         self.event({**event, "requests_served": self._served})
 
     def drafts(self) -> list[dict]:
@@ -595,7 +660,7 @@ class ServingCore:
                     versions=[{"version": v, **{k: m.get(k) for k in ("parent", "records_seen", "alpha_before", "alpha_after", "published_at", "note")}}
                               for v, m in ((v, registry.meta(v)) for v in registry.versions())],
                     current=registry.current(), pinned=learner.pinned, busy=learner.busy, due=learner.due,
-                    buffer_records=len(learner.buffer), failures=list(learner.failures),
+                    buffer_records=len(learner.buffer), failures=list(learner.failures), stopped=learner.stopped,
                     updates=[{k: v for k, v in vars(r).items() if k != "by_domain"} for r in learner.reports],
                 )
             rows.append(row)
@@ -603,6 +668,21 @@ class ServingCore:
 
     def learning(self) -> dict:
         return {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
+
+    def governance(self) -> dict:
+        """What the core did with the training data (:meth:`DraftPool.governance`)."""
+        return self.pool.governance()
+
+    def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
+        """Delete a request's training records (or those older than a number of days) now."""
+        if (request_id is None) == (older_than_days is None):
+            raise ServeError("give exactly one of request_id and older_than_days", code="invalid_purge")
+        if older_than_days is not None and not older_than_days >= 0:
+            raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
+        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        removed = self.pool.purge(request_id, before)
+        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed})
+        return {"records_deleted": removed, "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
         """An operator's action: ``pause``, ``resume``, ``update`` (start ``name``'s update now),

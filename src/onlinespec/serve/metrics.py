@@ -43,6 +43,11 @@ class ServeMetrics:
         self.buffer_records = Gauge(name("buffer_records"), "Records in the draft's replay buffer", ("draft",), registry=r)
         self.buffer_bytes = Gauge(name("buffer_bytes"), "Bytes of the draft's replay buffer", ("draft",), registry=r)
         self.records = Counter(name("buffer_records_written"), "Training records written (durable)", ("draft",), registry=r)
+        self.record_failures = Counter(name("buffer_record_write_failures"), "Records a failed disk write skipped (serving went on)",
+                                       ("draft",), registry=r)
+        self.opted_out = Counter(name("requests_opted_out"), "Served requests that asked not to be trained on (nothing stored)",
+                                 registry=r)
+        self.learner_stopped = Gauge(name("learner_stopped"), "1 while a draft's learner has stopped after failures", ("draft",), registry=r)
         self.version = Gauge(name("draft_version_info"), "1 for the version each draft serves", ("draft", "version"), registry=r)
         self._versions: dict[str, str] = {}
 

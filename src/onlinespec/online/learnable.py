@@ -1,0 +1,78 @@
+"""What the online learner needs from a draft it trains: :class:`LearnableDraft`.
+
+A learnable draft offers a private copy to train (the serving one is never touched), a training
+objective on replay-buffer records (the examples a batch is drawn from, and one optimizer step
+on a batch), the gate's metrics on held-out records, and a strict load of published weights.
+Two kinds implement it: a draft language model (a Hugging Face causal LM distilled record by
+record, :mod:`onlinespec.distill.step`) and a feature head (trained along chains of the target's
+features, :mod:`onlinespec.drafts.train`). :func:`learnable` picks the one for a model: the only
+place that asks what kind of draft it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from onlinespec.distill.records import DistillRecord
+from onlinespec.distill.step import DistillConfig, distill_step, evaluate
+from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
+from onlinespec.weights import load_weights
+
+
+@dataclass
+class Objective:
+    examples: list  # what a batch is drawn from: records (a draft LM) or chain starts (a head)
+    step: Callable[[torch.nn.Module, torch.optim.Optimizer, list], float]  # one optimizer step; the loss
+
+
+class LearnableDraft(Protocol):
+    def copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A private copy to train (it may share frozen tensors with ``model``)."""
+
+    def objective(self, records: Sequence[DistillRecord], positions: str, depth: int, config: DistillConfig) -> Objective:
+        """Training on ``records`` (``positions``: the recorder's position policy; ``depth``: chain length)."""
+
+    def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig) -> dict[str, float]:
+        """loss, agreement and alpha on held-out ``records`` (the gate's figures)."""
+
+    def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+        """Load published weights strictly (a ValueError if they do not fit)."""
+
+
+class _Strict:
+    def load(self, model, state, source):
+        load_weights(model, state, source)
+
+
+class DraftLM(_Strict):
+    def copy(self, model):
+        return copy.deepcopy(model)
+
+    def objective(self, records, positions, depth, config):
+        return Objective(list(records), lambda model, optimizer, batch: distill_step(model, optimizer, batch, config))
+
+    def metrics(self, model, records, config):
+        return evaluate(model, records, config)
+
+
+class HeadDraft(_Strict):
+    def copy(self, model):
+        return model.clone()
+
+    def objective(self, records, positions, depth, config):
+        task = chain_task(records, positions, ChainConfig(depth=depth))
+        return Objective(task.starts.tolist(), lambda model, optimizer, batch: task.step(model, optimizer, batch, config))
+
+    def metrics(self, model, records, config):
+        return head_metrics(model, records, config)
+
+
+def learnable(model: torch.nn.Module) -> LearnableDraft:
+    """The :class:`LearnableDraft` for ``model``."""
+    return HeadDraft() if isinstance(model, FeatureHead) else DraftLM()

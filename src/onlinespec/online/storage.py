@@ -1,0 +1,140 @@
+"""Durable files, the out-dir lock and kill points: what the buffer, the registry and the core
+share so that a crash never corrupts a saved draft or an acknowledged record (docs/reliability.md).
+
+Durability. :func:`commit` makes a fully written temporary file the real one: fsync the file,
+``os.replace`` it over the target (atomic on POSIX), fsync the folder so the rename itself
+survives a power cut. :func:`atomic_write` writes bytes that way. A reader sees the old file or
+the new one, never half of one.
+
+Exclusivity. :class:`OutDirLock` holds ``fcntl.flock`` on ``<out_dir>/LOCK`` for the life of a
+serving process. The kernel drops the lock when the process dies (even by SIGKILL), so a stale
+lock never blocks a restart; a second process on the same folder gets :class:`OutDirBusy`,
+naming the holder.
+
+Kill points. :func:`kill_point` marks a moment of a write (``"record.written"``, ...). The fault
+suite (tests/faults) starts a process with ``ONLINESPEC_KILL_AT=name:n``, and the n-th time that
+point is reached the process SIGKILLs itself, exactly there. Unset, a kill point is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+KILL_ENV = "ONLINESPEC_KILL_AT"
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the entries of ``directory`` (a rename, a new or deleted file) durable."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Make the complete file ``tmp`` durable as ``path`` (fsync, atomic rename, fsync the folder)."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+
+
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Replace ``path`` with ``data``, durably and atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    commit(tmp, path)
+
+
+class OutDirBusy(RuntimeError):
+    """Another live process holds the out-dir."""
+
+
+class OutDirLock:
+    """An exclusive lock on an out-dir, held until :meth:`release` or the process ends."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory) / "LOCK"
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutDirBusy(f"{self.path.parent} is in use by another process ({self.holder()}): stop it, or give this "
+                             "one another --out-dir; two processes on one folder would overwrite each other's records") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def holder(self) -> str:
+        """Who holds (or last held) the lock, as the file says."""
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return "holder unknown"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+        return f"pid {info.get('pid')} on {info.get('host')}, since {since}: {info.get('command', '')}"
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "OutDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def is_locked(directory: str | os.PathLike[str]) -> str | None:
+    """The holder of ``directory``'s lock if a live process holds it, else None."""
+    probe = OutDirLock(directory)
+    if not probe.path.exists():
+        return None
+    try:
+        probe.acquire()
+    except OutDirBusy:
+        return probe.holder()
+    probe.release()
+    return None
+
+
+def _kill_plan() -> dict[str, int]:
+    plan = {}
+    for item in filter(None, os.environ.get(KILL_ENV, "").split(",")):
+        name, _, count = item.partition(":")
+        plan[name] = int(count or 1)
+    return plan
+
+
+_PLAN = _kill_plan()
+_HITS: dict[str, int] = {}
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process here if ``ONLINESPEC_KILL_AT`` names this point (see the module docstring)."""
+    if _PLAN and name in _PLAN:
+        _HITS[name] = _HITS.get(name, 0) + 1
+        if _HITS[name] == _PLAN[name]:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,53 @@
+"""A serving process for the fault suite (not a test): a learning core on the tiny target that
+serves ``n`` requests one after another and prints one JSON line per answer, once the client
+has it (its training record is durable by then: an acknowledged record). Each update runs to
+its end before the next request, so the n-th publish comes at a known point of the run. ``ONLINESPEC_KILL_AT``
+kills it at a named point; ``FAULT_FSIZE`` caps the size of any file it writes from the first
+request on (``RLIMIT_FSIZE``: a disk that fills up while serving)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.serve.core import CoreConfig, ServingCore
+
+
+def config(target: str, retention_days: float | None = None) -> CoreConfig:
+    """The fault suite's core: learns every 2 requests, publishes every candidate (gate margin 1)."""
+    learner = LearnerConfig(update_interval=2, steps_per_update=2, batch_size=4, priority="normal", gate_margin=1.0, max_failures=2)
+    return CoreConfig(target=target, draft="target-layers:1", k=2, kernels=False, adaptive_k=False, max_batch=2,
+                      learner=learner, retention_days=retention_days)
+
+
+def prompt(i: int) -> str:
+    return f"def step_{i}(x):\n    return"
+
+
+def main() -> None:
+    out, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    core = ServingCore(config(target), out)
+    core.load()
+    greedy = SamplingParams(temperature=0.0)
+    core.submit("# warm-up", greedy, domain="code", train=False, max_tokens=2).result()  # makes the draft (v0001)
+    if os.environ.get("FAULT_FSIZE"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        limit = int(os.environ["FAULT_FSIZE"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    print("READY", flush=True)
+    for i in range(n):
+        served = core.submit(prompt(i), greedy, domain="code", request_id=f"r{i}", max_tokens=6).result()
+        print(json.dumps({"id": served.request_id, "recorded": served.recorded, "version": served.draft_version}), flush=True)
+        core.pool.wait()  # the update this request made due runs now: one publish every 2 requests, on any machine
+    core.pool.wait(drain=True)
+    print("DONE " + json.dumps({"governance": core.governance(), "drafts": core.drafts()}), flush=True)
+    core.shutdown(5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A disk that fills up while serving, corrupt / truncated / stray files, two processes on one
+out-dir, another process's rollback, clock jumps under retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.online.buffer import ReplayBuffer
+from onlinespec.online.registry import DraftRegistry
+from onlinespec.serve.core import ServingCore
+
+from child import config, prompt
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_a_full_disk_skips_records_counts_them_and_serving_goes_on(run_child, restart, tmp_path):
+    out = tmp_path / "run"
+    run = run_child(out, n=6, fsize=1024)  # no record file fits in 1 KiB
+    assert run.returncode == 0 and run.done is not None, run.stderr[-2000:]
+    assert [a["id"] for a in run.answers] == [f"r{i}" for i in range(6)]  # every request was answered
+    governance = run.done["governance"]
+    not_stored = [a["id"] for a in run.answers if not a["recorded"]]
+    assert not_stored and governance["write_failures"] >= len(not_stored)
+    assert "were NOT stored" not in run.stderr  # skipped and counted, not a crash of the recording path
+    found = restart(out, run.acknowledged)  # the disk has room again
+    assert found["current"] == DraftRegistry(out / "drafts" / "code").versions()[-1]
+
+
+def test_corrupt_truncated_and_stray_files_are_quarantined_and_the_newest_valid_version_served(run_child, restart, tmp_path):
+    out = tmp_path / "run"
+    run = run_child(out, n=6)
+    assert run.returncode == 0, run.stderr[-2000:]
+    registry = DraftRegistry(out / "drafts" / "code")
+    versions = registry.versions()
+    assert len(versions) >= 2, "the child published no update"
+    newest = out / "drafts" / "code" / versions[-1] / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    buffer_dir = out / "buffer" / "code"
+    lost = ReplayBuffer(buffer_dir).records()[0].request_id  # the oldest record file's request
+    sorted(buffer_dir.glob("*.safetensors"))[0].write_bytes(b"\x00" * 100)  # corrupt: lost, and never loaded
+    (buffer_dir / "notes.txt").write_text("a stray file")
+    (out / "drafts" / "code" / "README").write_text("a stray file in the registry")
+    found = restart(out, [rid for rid in run.acknowledged if rid != lost])
+    assert found["current"] == versions[-2] and lost not in found["held"]
+    assert found["governance"]["quarantined"] >= 3  # the record, the stray file, the truncated version
+    assert (out / "drafts" / "code" / "quarantine").is_dir() and (buffer_dir / "quarantine").is_dir()
+
+
+def test_a_second_process_on_the_same_out_dir_is_refused_naming_the_holder(tiny_target_folder, tmp_path):
+    out = tmp_path / "run"
+    core = ServingCore(config(str(tiny_target_folder)), out)
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text(json.dumps({"prompt": "def f(x):", "domain": "code"}) + "\n")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "onlinespec.cli", "online", "--stream", str(stream), "--json",
+                               str(tmp_path / "r.json"), "--out-dir", str(out), "--target", str(tiny_target_folder),
+                               "--draft", "target-layers:1"], capture_output=True, text=True, timeout=120)
+    finally:
+        core.shutdown(1)
+    assert proc.returncode == 2
+    assert f"in use by another process (pid {os.getpid()}" in " ".join((proc.stdout + proc.stderr).split())
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(tiny_target_folder, tmp_path):
+    out = tmp_path / "run"
+    core = ServingCore(config(str(tiny_target_folder)), out)
+    core.load()
+    try:
+        for i in range(4):
+            core.submit(prompt(i), GREEDY, domain="code", max_tokens=6).result()
+        core.pool.wait()
+        learner = core.pool.drafts["code"].learner
+        current = learner.registry.current()
+        parent = learner.registry.meta(current)["parent"]
+        assert parent, "no update was published"
+        subprocess.run([sys.executable, "-m", "onlinespec.cli", "drafts", "rollback", "--dir", str(out / "drafts"),
+                        "--draft", "code"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 10
+        while core.pool.drafts["code"].learner._current != parent:
+            assert time.monotonic() < deadline, "the running process never took the rollback"
+            time.sleep(0.1)
+        served = core.submit(prompt(9), GREEDY, domain="code", max_tokens=6).result()
+        assert served.draft_version == parent
+        for i in range(2):  # the next update starts from the rolled-back version
+            core.submit(prompt(10 + i), GREEDY, domain="code", max_tokens=6).result()
+        core.pool.wait()
+        newest = learner.registry.current()
+        assert learner.registry.meta(newest)["parent"] == parent
+    finally:
+        core.shutdown(5)
+
+
+@pytest.mark.parametrize("jump_days", [2.0, -1.0])
+def test_retention_after_a_clock_jump(jump_days, run_child, tiny_target_folder, tmp_path, monkeypatch):
+    """Forward past the retention period, every record and event-log line expires; backward,
+    nothing is deleted early."""
+    out = tmp_path / "run"
+    run = run_child(out, n=4)
+    assert run.returncode == 0, run.stderr[-2000:]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + jump_days * 86400)
+    core = ServingCore(config(str(tiny_target_folder), retention_days=1.0), out)
+    core.load()
+    try:
+        core.submit("# touch", GREEDY, domain="code", train=False, max_tokens=2).result()
+        held = [r.request_id for r in core.pool.drafts["code"].learner.buffer.records()]
+        governance = core.governance()
+    finally:
+        core.shutdown(5)
+    if jump_days > 1:
+        assert held == [] and governance["expired"] == len(run.acknowledged)
+        first = json.loads((out / "events.jsonl").read_text().splitlines()[0])
+        assert first["time"] >= real() + jump_days * 86400 - 3600  # the old lines went at start
+    else:
+        assert sorted(held) == sorted(run.acknowledged) and governance["expired"] == 0

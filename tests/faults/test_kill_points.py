@@ -1,0 +1,34 @@
+"""SIGKILL at seeded points of serving, recording and publishing. After each kill, a restarted
+process serves the last published version and holds every acknowledged record exactly once."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from onlinespec.online.registry import DraftRegistry
+
+# Where a write can be cut: a record (before its temp file, after it, after the rename), a
+# publish (after the weights, after the folder is complete, after its rename, after CURRENT),
+# serving (after an engine step, after the records but before the answer went out).
+POINTS = {"record.start": 8, "record.written": 8, "record.committed": 8, "publish.weights": 5, "publish.folder": 5,
+          "publish.renamed": 5, "publish.current": 5, "serve.step": 20, "serve.answer": 8}
+CASES = [(point, hit) for point, most in POINTS.items() for hit in sorted(random.Random(point).sample(range(1, most + 1), 3))]
+
+
+def test_there_are_at_least_twenty_kill_points():
+    assert len(CASES) >= 20
+
+
+@pytest.mark.parametrize(("point", "hit"), CASES, ids=[f"{p}:{h}" for p, h in CASES])
+def test_sigkill_loses_nothing_acknowledged(point, hit, run_child, restart, tmp_path):
+    out = tmp_path / "run"
+    run = run_child(out, n=8, kill_at=f"{point}:{hit}")
+    assert run.returncode == -signal.SIGKILL, f"the kill point {point}:{hit} was not reached: {run.stderr[-2000:]}"
+    found = restart(out, run.acknowledged)
+    served_before = [a["version"] for a in run.answers if a["version"]]
+    if served_before:  # versions only move forward: the restart serves one at least as new as the last served
+        assert int(found["current"][1:]) >= int(served_before[-1][1:])
+    assert not DraftRegistry(out / "drafts" / "code").quarantined
