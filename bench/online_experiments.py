@@ -176,6 +176,7 @@ def online_versions(target, original: Path, result: dict, run_dir: Path) -> dict
     """The online draft as it stood at the end of each domain segment of the abrupt stream, and at the end."""
     from onlinespec.api import load_head
     from onlinespec.online.registry import DraftRegistry
+    from onlinespec.weights import load_weights
     from onlinespec.routing import SHARED
 
     registry = DraftRegistry(run_dir / "drafts" / SHARED)
@@ -187,7 +188,7 @@ def online_versions(target, original: Path, result: dict, run_dir: Path) -> dict
     heads = {}
     for label, version in picks.items():
         head = load_head(original, target)
-        head.load_state_dict(registry.load(version), strict=False)
+        load_weights(head, registry.load(version), f"{version} of {registry.directory}")
         heads[f"{label} ({version})"] = head.eval()
     return heads
 

@@ -106,6 +106,7 @@ def main() -> None:
     from onlinespec.drafts.train import replay_acceptance
     from onlinespec.models import load_model
     from onlinespec.online.registry import DraftRegistry
+    from onlinespec.weights import load_weights
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("per_domain", type=int, nargs="?", default=200, help="requests per domain segment")
@@ -151,7 +152,7 @@ def main() -> None:
         registry, online_head = DraftRegistry(WORK / f"live-{args.name}" / "run" / "drafts" / d), [None] * len(live_rows)
         for version in sorted({r["draft_version"] for r in live_rows}):
             head = load_head(DEFAULT_HEAD, target)
-            head.load_state_dict(registry.load(version), strict=False)
+            load_weights(head, registry.load(version), f"{version} of {registry.directory}")
             picks = [i for i, r in enumerate(live_rows) if r["draft_version"] == version]
             for i, s in zip(picks, replay_acceptance(head.eval(), segment.select(picks), K)):
                 online_head[i] = s

@@ -162,3 +162,54 @@ def test_bench_refuses_a_bad_concurrency_list(tmp_path):
     assert result.exit_code == 2
     assert "comma-separated whole numbers" in result.output
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    (["--loss", "bogus"], "unknown distillation loss 'bogus': use one of fkl, rkl, jsd, tvd"),
+    (["--lr", "-0.001"], "the learning rate must be a positive number"),
+    (["--retention-days", "0"], "retention_days must be > 0"),
+])
+def test_online_refuses_bad_learner_options_before_loading_anything(tmp_path, option, says):
+    stream = tmp_path / "s.jsonl"
+    stream.write_text('{"prompt": "fine"}\n')
+    result = runner.invoke(app, ["online", "--stream", str(stream), "--json", str(tmp_path / "o.json"), "--out-dir",
+                                 str(tmp_path / "run"), *option])
+    assert result.exit_code == 2 and says in " ".join(result.output.split())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failing_request_is_an_error_row_and_the_run_still_reports(tmp_path, tiny_target_folder):
+    """A prompt longer than the tiny target's 256-token context fails alone; the rest is served,
+    learnt from and reported, with the governance of the training data; then its records can be purged."""
+    stream = tmp_path / "s.jsonl"
+    lines = [{"id": f"q{i}", "prompt": f"def f{i}(x):", "domain": "code", "category": "python"} for i in range(4)]
+    lines.insert(2, {"id": "too-long", "prompt": "word " * 400, "domain": "code"})
+    lines.append({"id": "private", "prompt": "def secret(x):", "domain": "code", "train": False})
+    stream.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out, run = tmp_path / "o.json", tmp_path / "run"
+    result = runner.invoke(app, ["online", "--stream", str(stream), "--json", str(out), "--out-dir", str(run), "--target",
+                                 str(tiny_target_folder), "--draft", "target-layers:1", "--k", "2", "--max-new-tokens", "6",
+                                 "--update-interval", "2", "--steps-per-update", "2", "--no-kernels", "--fixed-k", "--priority", "normal"])
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())
+    assert results["summary"]["n_errors"] == 1 and results["summary"]["n_requests"] == 5
+    assert results["errors"][0]["id"] == "too-long" and "context" in results["errors"][0]["error"]
+    governance = results["governance"]
+    assert governance["records_stored"] == 4 and governance["refused_opt_out"] == 1 and governance["write_failures"] == 0
+    report = (run / "report.md").read_text()
+    assert "1 requests failed" in report and "Training data" in report
+    purged = runner.invoke(app, ["data", "purge", "--out-dir", str(run), "--request-id", "q1"])
+    assert purged.exit_code == 0 and "deleted 1 records" in purged.output
+    from onlinespec.online.buffer import ReplayBuffer
+
+    assert sorted(r.request_id for r in ReplayBuffer(run / "buffer" / "code").records()) == ["q0", "q2", "q3"]
+
+
+def test_data_purge_refuses_a_folder_a_server_holds(tmp_path):
+    from onlinespec.online.storage import OutDirLock
+
+    with OutDirLock(tmp_path):
+        result = runner.invoke(app, ["data", "purge", "--out-dir", str(tmp_path), "--older-than-days", "30"])
+    assert result.exit_code == 2 and "in use by another process" in " ".join(result.output.split())
+    result = runner.invoke(app, ["data", "purge", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "exactly one of" in result.output

@@ -598,12 +598,17 @@ def data_purge(
     """Delete training records from every draft's replay buffer, by request or by age. A server
     running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
     from onlinespec.online.buffer import ReplayBuffer
-    from onlinespec.online.storage import OutDirLock
+    from onlinespec.online.storage import OutDirBusy, OutDirLock
 
     if (request_id is None) == (older_than_days is None):
         console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
         raise typer.Exit(2)
-    lock = _user_errors(lambda: OutDirLock(out_dir).acquire())
+    try:
+        lock = OutDirLock(out_dir).acquire()
+    except OutDirBusy as err:
+        console.print(f"[red]error:[/red] {err}. While it serves, ask it: POST /admin/data/purge with "
+                      '{"request_id": ...} or {"older_than_days": ...} (admin key)')
+        raise typer.Exit(2) from None
     try:
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
         folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []

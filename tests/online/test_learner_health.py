@@ -107,3 +107,19 @@ def test_a_registry_of_another_draft_is_refused_not_loaded_partially(tiny_llama,
     (registry.directory / registry.current() / "meta.json").write_text(__import__("json").dumps(meta))
     with pytest.raises(ValueError, match="do not fit this draft"):
         make(tiny_llama, tmp_path, hidden=16)
+
+
+def test_the_update_steps_train_gate_and_publish_each_on_their_own(tiny_llama, tmp_path):
+    decoder, learner = make(tiny_llama, tmp_path, update_interval=100, steps_per_update=3)
+    for prompt in prompts(4):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    records = learner.buffer.records()
+    serving, parent = learner._latest
+    candidate, optimizer, examples = learner._train(serving, records)
+    assert candidate is not serving and examples == len(records) and learner.steps_done == 3
+    before, after, by_domain, passed = learner._gate(serving, candidate, {"default": records[-1:]})
+    assert set(before) >= {"loss", "alpha"} and by_domain == {} and passed  # gate margin 1: any candidate passes
+    learner.registry.publish(serving.state_dict(), {"parent": parent, "note": "another process"})  # CURRENT moved meanwhile
+    assert learner._publish(candidate, {"parent": parent}, parent) is None  # its choice stands
+    assert learner.follow_registry() == learner.registry.current() == "v0002" and learner._current == "v0002"
+    assert learner._publish(candidate, {"parent": "v0002"}, "v0002") == "v0003"

@@ -163,7 +163,7 @@ class OnlineLearner:
             except ValueError:  # weights of another draft: the operator must choose
                 raise
             except Exception as err:  # unreadable: never serve it
-                self.registry._quarantine(current, f"{type(err).__name__}: {err}")
+                self.registry.quarantine(current, f"{type(err).__name__}: {err}")
                 continue
             self.proposer.swap_model(model, current)
             self.proposer.take_swap()  # take it now: nothing is being served yet

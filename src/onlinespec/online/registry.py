@@ -117,7 +117,7 @@ class DraftRegistry:
         for version in self.versions():
             problem = _problem(self.directory / version)
             if problem:
-                self._quarantine(version, problem)
+                self.quarantine(version, problem)
         valid = self.versions()
         try:
             current = self.current()
@@ -163,7 +163,8 @@ class DraftRegistry:
             fsync_dir(self.directory)
         return doomed
 
-    def _quarantine(self, version: str, why: str) -> None:
+    def quarantine(self, version: str, why: str) -> None:
+        """Move ``version`` out of the way (it is never served again) and count it."""
         folder = self.directory / "quarantine"
         folder.mkdir(exist_ok=True)
         shutil.move(str(self.directory / version), folder / f"{version}.{int(time.time() * 1e6)}")
