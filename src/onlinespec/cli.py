@@ -598,7 +598,7 @@ def data_purge(
     """Delete training records from every draft's replay buffer, by request or by age. A server
     running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
     from onlinespec.online.buffer import ReplayBuffer
-    from onlinespec.online.storage import OutDirBusy, OutDirLock
+    from onlinespec.online.storage import OutDirBusy, OutDirLock, about_request, rewrite_jsonl
 
     if (request_id is None) == (older_than_days is None):
         console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
@@ -613,11 +613,14 @@ def data_purge(
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
         folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []
         removed = {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
+        events = out_dir / "events.jsonl"  # its lines about them go too (with --log-text they hold text)
+        rewrite_jsonl(events, lambda e: not ((request_id is not None and about_request(e, request_id))
+                                             or (before is not None and e.get("time", 0) < before)))
+        with open(events, "a") as log:
+            log.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
+                                  "records": sum(removed.values()), "by": "onlinespec data purge", "time": time.time()}) + "\n")
     finally:
         lock.release()
-    with open(out_dir / "events.jsonl", "a") as events:
-        events.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
-                                 "records": sum(removed.values()), "by": "onlinespec data purge", "time": time.time()}) + "\n")
     out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'})")
 
 
@@ -633,10 +636,11 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
 def _user_errors(fn):
     """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
     from onlinespec.online.storage import OutDirBusy
+    from onlinespec.serve.core import LoadFailed
 
     try:
         return fn()
-    except (ValueError, FileNotFoundError, OutDirBusy) as err:
+    except (ValueError, FileNotFoundError, OutDirBusy, LoadFailed) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
 

@@ -169,8 +169,8 @@ def run_stream(
     if config.compare_every and not core_config.static_baseline:
         core_config = replace(core_config, static_baseline=True)
     core = ServingCore(core_config, out_dir)
-    core.load()
     try:
+        core.load()
         return drive(queries, CoreClient(core), config, on_request, say)
     finally:
         core.shutdown()

@@ -206,6 +206,9 @@ def test_jsonl_defaults_and_blank_lines(tmp_path: Path) -> None:
         ('{"prompt": "a", "max_new_tokens": true}', "positive integer"),
         ('{"prompt": "a", "train": "no"}', "'train'"),
         ('{"prompt": "a", "id": "ok/1"}', "duplicate id 'ok/1'.*line 1"),
+        ('{"prompt": "a", "Train": false}', "unknown key 'Train': did you mean 'train'"),
+        ('{"promt": "a"}', "unknown key 'promt': did you mean 'prompt'"),
+        ('{"prompt": "a", "max_tokens": 5}', "unknown key 'max_tokens': did you mean 'max_new_tokens'"),
     ],
 )
 def test_jsonl_bad_line_names_line_number(tmp_path: Path, line: str, says: str) -> None:

@@ -47,10 +47,10 @@ def test_corrupt_truncated_and_stray_files_are_quarantined_and_the_newest_valid_
     lost = ReplayBuffer(buffer_dir).records()[0].request_id  # the oldest record file's request
     sorted(buffer_dir.glob("*.safetensors"))[0].write_bytes(b"\x00" * 100)  # corrupt: lost, and never loaded
     (buffer_dir / "notes.txt").write_text("a stray file")
-    (out / "drafts" / "code" / "README").write_text("a stray file in the registry")
+    (out / "drafts" / "code" / "README").write_text("a stray file in the registry: not a version, ignored")
     found = restart(out, [rid for rid in run.acknowledged if rid != lost])
     assert found["current"] == versions[-2] and lost not in found["held"]
-    assert found["governance"]["quarantined"] >= 3  # the record, the stray file, the truncated version
+    assert found["governance"]["quarantined"] == 3  # the corrupt record, the stray buffer file, the truncated version
     assert (out / "drafts" / "code" / "quarantine").is_dir() and (buffer_dir / "quarantine").is_dir()
 
 
@@ -77,26 +77,52 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
     try:
         for i in range(4):
             core.submit(prompt(i), GREEDY, domain="code", max_tokens=6).result()
-        core.pool.wait()
+            core.pool.wait()  # each update ends before the next request: two published, none due
         learner = core.pool.drafts["code"].learner
         current = learner.registry.current()
         parent = learner.registry.meta(current)["parent"]
         assert parent, "no update was published"
+        learner.config.steps_per_update = 10**7  # the next update runs until something stops it
+        for i in range(2):
+            core.submit(prompt(4 + i), GREEDY, domain="code", max_tokens=6).result()
+        deadline = time.monotonic() + 10
+        while not learner.busy:
+            assert time.monotonic() < deadline, "no update started"
+            time.sleep(0.05)
         subprocess.run([sys.executable, "-m", "onlinespec.cli", "drafts", "rollback", "--dir", str(out / "drafts"),
                         "--draft", "code"], check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 10
-        while core.pool.drafts["code"].learner._current != parent:
+        deadline = time.monotonic() + 15
+        while learner._current != parent or learner.busy:
             assert time.monotonic() < deadline, "the running process never took the rollback"
             time.sleep(0.1)
-        served = core.submit(prompt(9), GREEDY, domain="code", max_tokens=6).result()
-        assert served.draft_version == parent
+        assert learner.registry.current() == parent and learner.registry.versions()[-1] == current  # nothing published over it
+        learner.config.steps_per_update = 2
+        assert core.submit(prompt(9), GREEDY, domain="code", max_tokens=6).result().draft_version == parent
         for i in range(2):  # the next update starts from the rolled-back version
             core.submit(prompt(10 + i), GREEDY, domain="code", max_tokens=6).result()
         core.pool.wait()
         newest = learner.registry.current()
-        assert learner.registry.meta(newest)["parent"] == parent
+        assert newest != parent and learner.registry.meta(newest)["parent"] == parent
     finally:
         core.shutdown(5)
+
+
+def test_a_restart_with_another_target_is_refused_at_start_up(run_child, tiny_target_folder, tmp_path):
+    """Another target spec (here the same folder under another name: the registry cannot tell
+    it is the same model) on an out-dir whose drafts were trained for the first: refused when
+    the core loads, not at the domain's first request."""
+    from onlinespec.serve.core import LoadFailed
+
+    out = tmp_path / "run"
+    assert run_child(out, n=2).returncode == 0
+    other = tmp_path / "other-target"
+    other.symlink_to(tiny_target_folder)
+    core = ServingCore(config(str(other)), out)
+    with pytest.raises(LoadFailed, match=f"trained for another model .*target: the registry's is '{tiny_target_folder}', "
+                                         f"this run's is '{other}'"):
+        core.load()
+    core.shutdown()
+    ServingCore(config(str(tiny_target_folder)), out).shutdown()  # the lock went with it
 
 
 @pytest.mark.parametrize("jump_days", [2.0, -1.0])

@@ -58,7 +58,8 @@ def test_sigkill_during_publish_leaves_every_version_loadable(tmp_path):
         time.sleep(0.05 + 0.07 * attempt)  # then kill it somewhere inside a later publish
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    registry = DraftRegistry(tmp_path)  # cleans up what a kill interrupted
+    registry = DraftRegistry(tmp_path)
+    registry.recover()  # cleans up what a kill interrupted
     assert registry.current() in registry.versions()
     for version in registry.versions():
         w = registry.load(version)["w"]

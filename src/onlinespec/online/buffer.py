@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 import logging
 
 from onlinespec.distill.records import DistillRecord
+from onlinespec.online.recorder import STUDENT_MARK
 from onlinespec.online.storage import atomic_write, commit, kill_point
 
 log = logging.getLogger("onlinespec.buffer")
@@ -117,11 +118,14 @@ class ReplayBuffer:
         self._offered += 1
         self._next_seq += 1
         self.counts["stored"] += 1
+        self._entries.append(entry)  # durable from here on: nothing below may say otherwise
         if victim is not None:
             self._remove(victim, "evicted")
-        self._entries.append(entry)
-        self._save_state()
         self._enforce_bounds(keep=entry)
+        try:
+            self._save_state()
+        except OSError as err:  # advisory: a restart recomputes it from the record files
+            log.warning("buffer %s: state.json not updated (%s); the record is stored", self.directory, err)
         return entry in self._entries
 
     def set_priorities(self, scored: list[tuple[DistillRecord, float]]) -> None:
@@ -153,7 +157,12 @@ class ReplayBuffer:
         """Drop the records older than the retention period (none without one); how many."""
         if self.retention_seconds is None:
             return 0
-        return self._drop(lambda e: e.record.created_at < self.clock() - self.retention_seconds, "expired")
+        cutoff = self.clock() - self.retention_seconds
+        quarantine = self.directory / "quarantine"
+        for path in quarantine.iterdir() if quarantine.is_dir() else ():  # unreadable copies expire too
+            if path.name != "README.txt" and path.stat().st_mtime < cutoff:
+                path.unlink(missing_ok=True)
+        return self._drop(lambda e: e.record.created_at < cutoff, "expired")
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         """Delete the records of request ``request_id`` (its student branches included), or
@@ -163,7 +172,7 @@ class ReplayBuffer:
 
         def doomed(entry: _Entry) -> bool:
             rid = entry.record.request_id
-            return (request_id is not None and (rid == request_id or rid.startswith(request_id + "#"))) or (
+            return (request_id is not None and (rid == request_id or rid.startswith(request_id + STUDENT_MARK))) or (
                 before is not None and entry.record.created_at < before)
 
         return self._drop(doomed, "purged")
@@ -229,9 +238,9 @@ class ReplayBuffer:
                 continue
             try:
                 record, identity = _load_record(path)
-            except Exception as err:  # truncated, corrupt, missing fields: never load it
+            except (SafetensorError, ValueError, KeyError, TypeError) as err:  # truncated, corrupt, missing fields
                 self._quarantine(path, f"unreadable record: {type(err).__name__}: {err}")
-                continue
+                continue  # (an error of the moment, EIO or out of memory, is raised: the record may be fine)
             if identity and self.identity and identity != self.identity:
                 raise ValueError(f"the replay buffer {self.directory} holds records of another tokenizer ({identity}, this "
                                  f"model's is {self.identity}): give this model another --out-dir")

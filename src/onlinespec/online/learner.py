@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from safetensors import SafetensorError
 
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.speculative import Generation
@@ -35,6 +36,7 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import LearnableDraft, learnable
 from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
+from onlinespec.online.storage import kill_point
 
 UNITS = ("requests", "records", "tokens")
 log = logging.getLogger("onlinespec.learner")
@@ -141,6 +143,7 @@ class OnlineLearner:
         self.write_failures = 0  # records a failed disk write skipped
         self.pruned: list[str] = []  # versions deleted by keep_versions
         self.pinned = False  # an operator pinned the serving version: updates still run, none publishes
+        self._unloadable: str | None = None  # a version another process made CURRENT that would not load
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
         current = self._recover()
         if current is None:
@@ -160,9 +163,7 @@ class OnlineLearner:
             self.registry.check_identity(self.identity)
             try:
                 model = self._load_version(current)
-            except ValueError:  # weights of another draft: the operator must choose
-                raise
-            except Exception as err:  # unreadable: never serve it
+            except SafetensorError as err:  # its file is unreadable: never serve it (other errors are raised)
                 self.registry.quarantine(current, f"{type(err).__name__}: {err}")
                 continue
             self.proposer.swap_model(model, current)
@@ -192,7 +193,7 @@ class OnlineLearner:
         with self._lock:
             for record in records:
                 try:
-                    self.buffer.add(record)
+                    stored = self.buffer.add(record) and stored  # False: the policy turned it away (reservoir)
                 except OSError as err:
                     stored = False
                     self.write_failures += 1
@@ -266,8 +267,8 @@ class OnlineLearner:
     def serve_version(self, version: str) -> None:
         """Serve a published ``version`` from the next step on (a rollback, or pinning an older
         one): the update in flight is abandoned, and the next update starts from ``version``."""
+        model = self._load_version(version)  # before stopping anything: a version that fails to load changes nothing
         self.stop()
-        model = self._load_version(version)
         with self._registry_lock:
             self.registry.set_current(version)
             self._current = version
@@ -276,15 +277,25 @@ class OnlineLearner:
 
     def follow_registry(self) -> str | None:
         """Serve the version another process made CURRENT (``onlinespec drafts rollback`` while
-        this one serves); the version now served if it changed, else None."""
-        with self._registry_lock:
-            try:
-                current = self.registry.current()
-            except OSError:
+        this one serves); the version now served if it changed, else None. Never waits for a
+        publish in flight (the next call looks again); a version that fails to load is tried once."""
+        if not self._registry_lock.acquire(blocking=False):
+            return None
+        try:
+            current = self.registry.current()
+            if not current or current in (self._current, self._unloadable) or current not in self.registry.versions():
                 return None
-            if not current or current == self._current or current not in self.registry.versions():
-                return None
-        self.serve_version(current)
+        except OSError:
+            return None
+        finally:
+            self._registry_lock.release()
+        try:
+            self.serve_version(current)
+        except Exception as err:
+            self._unloadable = current
+            log.error("draft %s: CURRENT names %s, which could not be served (%s); serving %s", self.registry.directory.name,
+                      current, err, self._current)
+            return None
         self.on_event({"event": "rollback", "version": current, "by": "another process (CURRENT changed)", "time": time.time()})
         return current
 
@@ -374,6 +385,7 @@ class OnlineLearner:
             outcome = "published" if version else "superseded"
         if version:
             self._hand_over(candidate, version, optimizer, records)
+            self._prune()
         if self.buffer.policy == "priority":
             self.score()
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
@@ -421,16 +433,28 @@ class OnlineLearner:
         return before, after, by_domain, passed
 
     def _publish(self, candidate, meta: dict, parent: str) -> str | None:
-        """Write the candidate to the registry as the new CURRENT; None if another process
-        changed CURRENT meanwhile (its choice stands; :meth:`follow_registry` takes it)."""
+        """Write the candidate to the registry and make it CURRENT, only if its parent is still
+        what is served: None if an operator rolled back meanwhile (here or from another
+        process: CURRENT is compared and set under the registry's lock), and the version is
+        deleted; their choice stands (:meth:`follow_registry` takes another process's)."""
+        if parent != self._current:
+            return None
+        version = self.registry.publish(candidate.state_dict(), meta, make_current=False)
         with self._registry_lock:
-            if self.registry.current() != self._current:
-                return None
-            version = self.registry.publish(candidate.state_dict(), meta)
-            self._current = version
+            if parent == self._current and self.registry.compare_and_set(parent, version):
+                self._current = version
+                kill_point("publish.current")
+                return version
+        self.registry.discard(version)
+        return None
+
+    def _prune(self) -> None:
+        """keep_versions: delete old versions (after the hand-over: a failure here costs disk, not the update)."""
         if self.config.keep_versions:
-            self.pruned += self.registry.prune(self.config.keep_versions)
-        return version
+            try:
+                self.pruned += self.registry.prune(self.config.keep_versions)
+            except OSError as err:
+                log.warning("draft %s: old versions not pruned (%s)", self.registry.directory.name, err)
 
     def _hand_over(self, candidate, version: str, optimizer, records: list) -> None:
         """The proposer takes the new version between two rounds; the next update starts from it."""

@@ -23,6 +23,7 @@ retention, purged, quarantined, versions pruned.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.routing import Router
+from onlinespec.routing import SHARED, Router
+
+log = logging.getLogger("onlinespec.pool")
 
 
 @dataclass
@@ -124,13 +127,29 @@ class DraftPool:
             self._start_next()
         return stored
 
+    def open_saved(self) -> list[str]:
+        """Open every draft a previous run in the out-dir published that the router serves (at
+        start-up: a registry of another model is refused then, not at its domain's first
+        request); their names."""
+        if self.learner_config is None:
+            return []
+        serves = {SHARED} if self.router.policy == "single" else {*self.router.drafts, SHARED}
+        with self._lock:
+            for name in saved_drafts(self.out_dir):
+                if name in serves and name not in self.drafts:
+                    self.drafts[name] = self._create(name)
+            return list(self.drafts)
+
     def tick(self) -> None:
-        """Housekeeping, every second or so (the core's recorder thread): expire records past
-        retention, and serve the version another process made CURRENT."""
+        """Housekeeping, every second or so (the core's housekeeping thread): expire records
+        past retention, and serve the version another process made CURRENT."""
         for learner in self.learners:
-            with learner._lock:
-                learner.buffer.expire()
-            learner.follow_registry()
+            try:
+                with learner._lock:
+                    learner.buffer.expire()
+                learner.follow_registry()
+            except Exception:  # one draft's trouble never stops the others' housekeeping
+                log.exception("housekeeping of draft %s failed; serving goes on", learner.registry.directory.name)
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         """Delete a request's records (or those recorded before ``before``) from every buffer."""

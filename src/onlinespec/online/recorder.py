@@ -40,6 +40,7 @@ from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.records import DistillRecord
 
 POSITION_POLICIES = ("rejected", "verified")
+STUDENT_MARK = "#student@"  # a student record's id: <request id>#student@<position>
 SOURCES = ("teacher", "student", "mixed")
 
 
@@ -108,7 +109,7 @@ def student_records(generation: Generation, domain: str = "default", request_id:
         features = round_.target_features
         records.append(DistillRecord(
             tokens, [round_.position + j for j in rows], round_.target_top_ids[rows], round_.target_top_logprobs[rows].float(),
-            len(generation.prompt_ids), domain, f"{request_id}#student@{round_.position}",
+            len(generation.prompt_ids), domain, f"{request_id}{STUDENT_MARK}{round_.position}",
             features[rows] if features is not None else None, [True] * len(rows) if features is not None else None,
         ))
     return records

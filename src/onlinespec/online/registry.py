@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from onlinespec.online.storage import atomic_write, fsync_dir, kill_point
+from onlinespec.online.storage import atomic_write, file_lock, fsync_dir, kill_point
 from onlinespec.weights import unique_tensors
 
 log = logging.getLogger("onlinespec.registry")
@@ -44,10 +44,10 @@ _VERSION = re.compile(r"v(\d+)")
 
 class DraftRegistry:
     def __init__(self, directory: str | Path) -> None:
+        """Opening a registry changes nothing on disk (a tool may read one a server writes);
+        :meth:`recover` cleans up, for the process that serves from it."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(".tmp-*"):  # a publish a crash interrupted
-            shutil.rmtree(stale, ignore_errors=True)
         self.quarantined: list[str] = []
 
     def versions(self) -> list[str]:
@@ -98,7 +98,24 @@ class DraftRegistry:
     def set_current(self, version: str) -> None:
         """Serve ``version`` from now on (also how a rollback is done)."""
         self._path(version)
-        atomic_write(self.directory / "CURRENT", version)
+        with file_lock(self.directory / ".CURRENT.lock"):
+            atomic_write(self.directory / "CURRENT", version)
+
+    def compare_and_set(self, expected: str | None, version: str) -> bool:
+        """Make ``version`` current only if CURRENT still names ``expected`` (checked and set
+        under one lock, so an operator's rollback from another process is never overwritten)."""
+        self._path(version)
+        with file_lock(self.directory / ".CURRENT.lock"):
+            if self.current() != expected:
+                return False
+            atomic_write(self.directory / "CURRENT", version)
+            return True
+
+    def discard(self, version: str) -> None:
+        """Delete a version that never became current (a publish another process superseded)."""
+        if version != self.current():
+            shutil.rmtree(self._path(version), ignore_errors=True)
+            fsync_dir(self.directory)
 
     def rollback(self) -> str:
         """Serve the current version's parent; return it."""
@@ -112,8 +129,12 @@ class DraftRegistry:
     # ---- recovery, identity, pruning ----------------------------------------------------------
 
     def recover(self) -> str | None:
-        """Quarantine unreadable versions and make CURRENT name a valid one (the newest, if it
-        named none); return the version to serve (None: nothing published yet)."""
+        """For the process that serves from this registry (it holds the out-dir): delete what a
+        crash left of a publish, quarantine unreadable versions and make CURRENT name a valid
+        one (the newest, if it named none); return the version to serve (None: nothing
+        published yet)."""
+        for stale in self.directory.glob(".tmp-*"):  # a publish a crash interrupted
+            shutil.rmtree(stale, ignore_errors=True)
         for version in self.versions():
             problem = _problem(self.directory / version)
             if problem:
@@ -178,13 +199,17 @@ class DraftRegistry:
         return path
 
 
+FORMAT_ERRORS = (SafetensorError, ValueError, KeyError, FileNotFoundError)  # the file is bad, not the moment
+
+
 def _problem(path: Path) -> str | None:
-    """Why the version folder ``path`` cannot be served, or None."""
+    """Why the version folder ``path`` cannot be served, or None. Only a bad file is a
+    problem; an error of the moment (EIO, too many open files, out of memory) is raised."""
     try:
         json.loads((path / "meta.json").read_text())
         with safe_open(str(path / "model.safetensors"), framework="pt") as handle:  # checks the header covers the file
             if not list(handle.keys()):
                 return "no tensors"
-    except Exception as err:
+    except FORMAT_ERRORS as err:
         return f"{type(err).__name__}: {err}"
     return None

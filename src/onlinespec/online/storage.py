@@ -18,12 +18,14 @@ point is reached the process SIGKILLs itself, exactly there. Unset, a kill point
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,11 +50,52 @@ def commit(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Replace ``path`` with ``data``, durably and atomically."""
+    """Replace ``path`` with ``data``, durably and atomically (a temp name of its own, so two
+    writers never share one)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    commit(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+        commit(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]):
+    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the ``with`` block:
+    a read-check-write of a small file, across threads and processes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def rewrite_jsonl(path: str | os.PathLike[str], keep) -> int:
+    """Rewrite a JSON-lines file durably with only the lines ``keep(obj)`` accepts (a line a
+    crash cut short is dropped); how many lines went."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines, kept = path.read_text().splitlines(), []
+    for line in lines:
+        try:
+            if keep(json.loads(line)):
+                kept.append(line)
+        except ValueError:
+            continue
+    atomic_write(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def about_request(event: dict, request_id: str) -> bool:
+    """Whether an event-log line is about request ``request_id`` (its prompt and output are in
+    it with ``--log-text``)."""
+    return event.get("id") == request_id or event.get("request_id") == request_id
 
 
 class OutDirBusy(RuntimeError):

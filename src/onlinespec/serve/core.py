@@ -51,7 +51,7 @@ from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
-from onlinespec.online.storage import OutDirLock, atomic_write, kill_point
+from onlinespec.online.storage import OutDirLock, about_request, kill_point, rewrite_jsonl
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
@@ -139,6 +139,10 @@ class Timeout(ServeError):
 
 class Failed(ServeError):
     status, kind = 500, "internal_error"
+
+
+class LoadFailed(RuntimeError):
+    """The core could not start (a bad model spec, another model's drafts in the out-dir, ...)."""
 
 
 @dataclass
@@ -234,13 +238,17 @@ class ServingCore:
         loaded target to share (else :meth:`load` loads ``config.target``)."""
         self.config, self.out_dir = config, Path(out_dir)
         self.lock = OutDirLock(self.out_dir).acquire()  # OutDirBusy if another process serves from it
-        self._prune_events()
+        try:
+            self._prune_events()
+            self._events = open(self._events_path, "a")
+        except BaseException:
+            self.lock.release()
+            raise
         self.metrics = ServeMetrics()
         self.target = target
         self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
         self.error: str | None = None
         self._on_event = on_event
-        self._events = open(self._events_path, "a")
         self.event_write_failures = 0
         self._events_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -260,16 +268,9 @@ class ServingCore:
 
     def _prune_events(self) -> None:
         """With a retention period, event-log lines older than it go (on start)."""
-        if self.config.retention_seconds is None or not self._events_path.exists():
-            return
-        cutoff, kept = time.time() - self.config.retention_seconds, []
-        for line in self._events_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("time", 0) >= cutoff:
-                    kept.append(line)
-            except ValueError:  # a line a crash cut short
-                continue
-        atomic_write(self._events_path, "".join(line + "\n" for line in kept))
+        if self.config.retention_seconds is not None:
+            cutoff = time.time() - self.config.retention_seconds
+            rewrite_jsonl(self._events_path, lambda event: event.get("time", 0) >= cutoff)
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -286,7 +287,7 @@ class ServingCore:
         self._loop_thread.start()
         loaded.wait()
         if self.status == "failed":
-            raise RuntimeError(f"the serving core failed to load: {self.error}")
+            raise LoadFailed(f"the serving core failed to load: {self.error}")
 
     def _run(self, loaded: threading.Event) -> None:
         try:
@@ -331,8 +332,11 @@ class ServingCore:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch})
+        self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
         self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
         self._recorder_thread.start()
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="onlinespec-housekeeping", daemon=True)
+        self._housekeeper.start()
         self.status = "ready"
 
     def shutdown(self, drain_seconds: float = 30.0) -> None:
@@ -344,6 +348,8 @@ class ServingCore:
             self._loop_thread.join(300)
         if self.status != "ready":
             self.status = "stopped"
+            with self._events_lock:
+                self._events.close()
             self.lock.release()
             return
         self.status, self._stopping = "draining", True
@@ -359,6 +365,7 @@ class ServingCore:
             self._calls.get_nowait()[1].set_exception(Unavailable("the server is shutting down"))
         self._finished.put(None)
         self._recorder_thread.join(60)
+        self._housekeeper.join(60)
         for learner in self.pool.learners:
             learner.stop(timeout=60)
         self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
@@ -558,26 +565,20 @@ class ServingCore:
 
     def _record_loop(self) -> None:
         torch.set_num_threads(1)  # see the module docstring: the engine thread keeps the cores
-        last_tick = time.monotonic()
-        while True:
+        while (handle := self._finished.get()) is not None:
             try:
-                handle = self._finished.get(timeout=TICK_SECONDS)
-            except queue.Empty:
-                handle = False
-            if handle is None:
-                return
-            if handle:
-                try:
-                    self._complete(handle)
-                except Exception as err:  # never leave a client waiting
-                    logging.getLogger("onlinespec.serve").exception("completing a request failed")
-                    handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
-            if time.monotonic() - last_tick >= TICK_SECONDS:
-                last_tick = time.monotonic()
-                try:  # retention, and a CURRENT another process changed
-                    self.pool.tick()
-                except Exception:
-                    logging.getLogger("onlinespec.serve").exception("housekeeping failed; serving goes on")
+                self._complete(handle)
+            except Exception as err:  # never leave a client waiting
+                logging.getLogger("onlinespec.serve").exception("completing a request failed")
+                handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
+
+    def _housekeeping(self) -> None:
+        """Every second: retention, and a CURRENT another process changed (a rollback loads a
+        version here, one torch thread, never on the recorder: answers never wait for it)."""
+        torch.set_num_threads(1)
+        while not self._stopping:
+            time.sleep(TICK_SECONDS)
+            self.pool.tick()
 
     def _complete(self, handle: Handle) -> None:
         state, draft = handle.state, handle.draft
@@ -647,6 +648,8 @@ class ServingCore:
             self.metrics.update(name, "failed")
         elif event["event"] == "learner_stopped":
             self.metrics.learner_stopped.labels(name).set(1)
+        if event["event"] == "update":  # an update ran to its end: the learner is (again) alive
+            self.metrics.learner_stopped.labels(name).set(0)
         self.event({**event, "requests_served": self._served})
 
     def drafts(self) -> list[dict]:
@@ -681,6 +684,13 @@ class ServingCore:
             raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
         removed = self.pool.purge(request_id, before)
+        with self._events_lock:  # the event log's lines about it go too (with --log-text they hold its text)
+            self._events.close()
+            try:
+                rewrite_jsonl(self._events_path, lambda event: not (
+                    (request_id is not None and about_request(event, request_id)) or (before is not None and event.get("time", 0) < before)))
+            finally:
+                self._events = open(self._events_path, "a")
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed})
         return {"records_deleted": removed, "governance": self.governance()}
 
