@@ -598,7 +598,7 @@ def data_purge(
     """Delete training records from every draft's replay buffer, by request or by age. A server
     running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
     from onlinespec.online.buffer import ReplayBuffer
-    from onlinespec.online.storage import OutDirBusy, OutDirLock, about_request, rewrite_jsonl
+    from onlinespec.online.storage import OutDirBusy, OutDirLock, drop_events
 
     if (request_id is None) == (older_than_days is None):
         console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
@@ -614,8 +614,7 @@ def data_purge(
         folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []
         removed = {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
         events = out_dir / "events.jsonl"  # its lines about them go too (with --log-text they hold text)
-        rewrite_jsonl(events, lambda e: not ((request_id is not None and about_request(e, request_id))
-                                             or (before is not None and e.get("time", 0) < before)))
+        drop_events(events, request_id, before)
         with open(events, "a") as log:
             log.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
                                   "records": sum(removed.values()), "by": "onlinespec data purge", "time": time.time()}) + "\n")

@@ -94,11 +94,12 @@ class SpeculativeEngine:
         reaches k + 1 positions past the text, and all of it must fit in the context."""
         return self.context - prompt_tokens - (self.k + 1)
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """A clear ``ValueError`` if the prompt and its budget overrun the context."""
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+        """A clear ``ValueError`` if the prompt and its budget overrun the context (``name``:
+        what the caller calls the budget)."""
         room = self.room(prompt_tokens)
         if max_new_tokens > room:
-            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            raise ValueError(f"prompt ({prompt_tokens} tokens) + {name} ({max_new_tokens}) exceeds the model's context "
                              f"of {self.context} tokens: ask for at most {max(room, 0)} new tokens for this prompt"
                              + ("" if room > 0 else f", or shorten the prompt to at most {self.context - self.k - 2} tokens"))
 
@@ -285,7 +286,7 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdict:
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():  # a broken model: never emit a token from it
+    if not logits.max() < float("inf"):  # NaN (max propagates it) or +inf: a broken model, never emit a token from it
         raise FloatingPointError("the target's logits hold NaN or +inf (broken weights, or an overflow in this dtype): "
                                  "no token was emitted from them; check the model, or serve it in float32")
     if r.params.greedy:

@@ -75,27 +75,27 @@ def file_lock(path: str | os.PathLike[str]):
         os.close(fd)  # closing drops the lock
 
 
-def rewrite_jsonl(path: str | os.PathLike[str], keep) -> int:
-    """Rewrite a JSON-lines file durably with only the lines ``keep(obj)`` accepts (a line a
-    crash cut short is dropped); how many lines went."""
+def drop_events(path: str | os.PathLike[str], request_id: str | None = None, before: float | None = None) -> int:
+    """Rewrite a JSON-lines event log durably without the lines about request ``request_id``
+    (with ``--log-text`` they hold its text) and those older than time ``before`` (a line a
+    crash cut short goes too); how many lines went."""
     path = Path(path)
     if not path.exists():
         return 0
+
+    def doomed(event: dict) -> bool:
+        about = request_id is not None and request_id in (event.get("id"), event.get("request_id"))
+        return about or (before is not None and event.get("time", 0) < before)
+
     lines, kept = path.read_text().splitlines(), []
     for line in lines:
         try:
-            if keep(json.loads(line)):
+            if not doomed(json.loads(line)):
                 kept.append(line)
         except ValueError:
             continue
     atomic_write(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
-
-
-def about_request(event: dict, request_id: str) -> bool:
-    """Whether an event-log line is about request ``request_id`` (its prompt and output are in
-    it with ``--log-text``)."""
-    return event.get("id") == request_id or event.get("request_id") == request_id
 
 
 class OutDirBusy(RuntimeError):
@@ -133,10 +133,6 @@ class OutDirLock:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
         return f"pid {info.get('pid')} on {info.get('host')}, since {since}: {info.get('command', '')}"
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -148,19 +144,6 @@ class OutDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def is_locked(directory: str | os.PathLike[str]) -> str | None:
-    """The holder of ``directory``'s lock if a live process holds it, else None."""
-    probe = OutDirLock(directory)
-    if not probe.path.exists():
-        return None
-    try:
-        probe.acquire()
-    except OutDirBusy:
-        return probe.holder()
-    probe.release()
-    return None
 
 
 def _kill_plan() -> dict[str, int]:

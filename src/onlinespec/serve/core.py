@@ -51,7 +51,7 @@ from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
-from onlinespec.online.storage import OutDirLock, about_request, kill_point, rewrite_jsonl
+from onlinespec.online.storage import OutDirLock, drop_events, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
@@ -269,8 +269,7 @@ class ServingCore:
     def _prune_events(self) -> None:
         """With a retention period, event-log lines older than it go (on start)."""
         if self.config.retention_seconds is not None:
-            cutoff = time.time() - self.config.retention_seconds
-            rewrite_jsonl(self._events_path, lambda event: event.get("time", 0) >= cutoff)
+            drop_events(self._events_path, before=time.time() - self.config.retention_seconds)
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -397,9 +396,9 @@ class ServingCore:
         if requested is None:
             return min(room, self.config.default_max_tokens)
         try:
-            self.engine.check_fits(prompt_tokens, requested)
+            self.engine.check_fits(prompt_tokens, requested, "max_tokens")
         except ValueError as err:
-            raise ServeError(str(err).replace("max_new_tokens", "max_tokens"), param="max_tokens", code="context_length_exceeded") from None
+            raise ServeError(str(err), param="max_tokens", code="context_length_exceeded") from None
         return requested
 
     def submit(
@@ -687,8 +686,7 @@ class ServingCore:
         with self._events_lock:  # the event log's lines about it go too (with --log-text they hold its text)
             self._events.close()
             try:
-                rewrite_jsonl(self._events_path, lambda event: not (
-                    (request_id is not None and about_request(event, request_id)) or (before is not None and event.get("time", 0) < before)))
+                drop_events(self._events_path, request_id, before)
             finally:
                 self._events = open(self._events_path, "a")
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed})
