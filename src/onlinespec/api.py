@@ -8,8 +8,10 @@
 
 Draft specs:
 
-- ``"hybrid"``: n-gram lookup where the text offers a match, else the packaged feature head
-  trained for the default target (``"hybrid:FOLDER"`` for another head);
+- ``"hybrid"``: n-gram lookup where the text offers a match, then the suffix index of earlier
+  requests (empty until a server adds what it serves), else the packaged feature head trained
+  for the default target (``"hybrid:FOLDER"`` for another head);
+- ``"suffix"``: n-gram lookup, then the suffix index alone (model-free);
 - ``"head"`` / ``"head:FOLDER"``: a feature-conditioned head alone (:mod:`onlinespec.drafts`);
 - ``"ngram"`` / ``"ngram:N"``: prompt lookup, longest n-gram N (default 3);
 - ``"target-layers:N"``: the target's first N layers; a Hugging Face folder or a ``.gguf`` file;
@@ -31,6 +33,7 @@ from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
+from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
 from onlinespec.models import LoadedModel, check_same_tokenizer_hash, load_draft, load_model
@@ -59,11 +62,13 @@ def make_proposer(spec: str, target: LoadedModel, dtype: str | torch.dtype = "fl
     if spec == "ngram" or spec.startswith("ngram:"):
         max_ngram = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return DraftChoice(NgramProposer(max_ngram=max_ngram))
+    if spec == "suffix":
+        return DraftChoice(SuffixProposer(SuffixIndex()))
     if spec in ("head", "hybrid") or spec.startswith(("head:", "hybrid:")):
         kind, _, folder = spec.partition(":")
         head = load_head(folder or DEFAULT_HEAD, target)
         proposer = FeatureHeadProposer(head, name=f"head:{folder or 'default'}")
-        return DraftChoice(HybridProposer(proposer) if kind == "hybrid" else proposer)
+        return DraftChoice(HybridProposer(proposer, suffix_index=SuffixIndex()) if kind == "hybrid" else proposer)
     if is_feature_head(spec):
         return DraftChoice(FeatureHeadProposer(load_head(spec, target), name=spec))
     draft = load_draft(spec, target, dtype)

@@ -203,6 +203,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "k": (KOpt, CoreConfig.k),
     "dtype": (DtypeOpt, CoreConfig.dtype),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
+    "head_updates": (Annotated[bool, typer.Option("--head-updates/--no-head-updates", help="learning trains the learned draft too, or only the suffix index")], CoreConfig.head_updates),
     "update_interval": (Annotated[int, typer.Option(min=1, help="I: update a draft every I units")], LearnerConfig.update_interval),
     "interval_unit": (Annotated[str, typer.Option(help="requests, records or tokens")], LearnerConfig.interval_unit),
     "loss": (Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")], DistillConfig.loss),
@@ -228,6 +229,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
+    "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
     "keep_versions": (Annotated[int, typer.Option(min=0, help="keep this many newest draft versions, plus the current one and its parent (0: keep all)")], LearnerConfig.keep_versions),
     "max_failures": (Annotated[int, typer.Option(min=1, help="updates failing in a row before a learner stops trying (serving goes on)")], LearnerConfig.max_failures),
 }
@@ -240,9 +242,9 @@ def _core_config(o: dict) -> CoreConfig:
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
-    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "buffer_policy", "buffer_records", "router",
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
-                                         "default_max_tokens", "retention_days", "max_buffer_bytes")}
+                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     return CoreConfig(**plain, learner=learner)
 
 
@@ -563,7 +565,7 @@ def data_export(
 @data_app.command("stream")
 def data_stream(
     out: Annotated[Path, typer.Option(help="JSONL file to write")],
-    domains: Annotated[str, typer.Option(help="comma-separated, in stream order: chat, code, math, math_ml (maths in 23 languages)")] = "math,code,chat",
+    domains: Annotated[str, typer.Option(help="comma-separated, in stream order: chat, code, math, math_ml (maths in 23 languages), stdlib (standard-library functions to complete)")] = "math,code,chat",
     schedule: Annotated[str, typer.Option(help="abrupt (shift every N), gradual (mix across each block) or random")] = "abrupt",
     every: Annotated[int, typer.Option(min=1, help="queries per domain block")] = 100,
     split_name: Annotated[str, typer.Option("--split", help="warmup, online or heldout queries only")] = "online",

@@ -22,6 +22,7 @@ stream goes on.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,7 +80,8 @@ def stream_row(text: str, metrics: dict, new_tokens: int, seconds: float) -> dic
     return {
         "text": text, "acceptance_rate": spec["alpha"], "tau": spec["tokens_per_target_forward"],
         "accepted": spec["num_accepted_tokens"], "judged": spec["num_judged_tokens"], "new_tokens": new_tokens,
-        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "draft": spec["draft"],
+        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "by_source": spec.get("by_source", {}),
+        "draft": spec["draft"],
         "draft_version": spec["draft_version"], "learner_busy": metrics["learner_busy"],
     }
 
@@ -250,8 +252,10 @@ def drive(
         for r in probes:  # greedy: the online system, the static draft and the target alone agree
             texts = r.pop("texts")
             r["identical"] = TARGET_ALONE in texts and r["text"] == texts[STATIC] == texts[TARGET_ALONE]
-    for r in rows:
-        r.pop("text", None)
+    for r in rows:  # the text itself is not kept; its digest lets runs over the same stream be compared
+        text = r.pop("text", None)
+        if text is not None:
+            r["text_sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return summarize(rows, config, client.updates(), client.health())
 
 

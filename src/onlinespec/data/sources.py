@@ -496,8 +496,48 @@ MATH_ML_LANGUAGES: tuple[str, ...] = (
 )
 """The GSM-Symbolic languages of the ``math_ml`` domain: 23 in Latin script, English included."""
 
-STREAM_DOMAINS: tuple[str, ...] = (*DOMAINS, "math_ml")
-"""Domains a query stream can draw from: the English ones and ``math_ml``, maths in 23 languages."""
+STREAM_DOMAINS: tuple[str, ...] = (*DOMAINS, "math_ml", "stdlib")
+"""Domains a query stream can draw from: the English ones, ``math_ml`` (maths in 23 languages) and
+``stdlib`` (functions of this machine's Python standard library to complete; see
+:func:`load_stdlib_code`). The packaged draft saw neither ``math_ml`` nor ``stdlib``."""
+
+STDLIB_MODULES: tuple[str, ...] = (
+    "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis", "email.message", "email.utils", "enum",
+    "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "gzip",
+    "heapq", "hmac", "html.parser", "http.client", "http.cookies", "imaplib", "inspect", "ipaddress", "json.decoder",
+    "json.encoder", "locale", "logging", "logging.handlers", "mailbox", "mimetypes", "netrc", "ntpath", "numbers",
+    "operator", "optparse", "pathlib", "pdb", "pickle", "pickletools", "platform", "plistlib", "poplib", "posixpath",
+    "pprint", "pstats", "py_compile", "pydoc", "queue", "quopri", "random", "re._parser", "reprlib", "sched",
+    "secrets", "selectors", "shlex", "shutil", "smtplib", "socketserver", "statistics", "string", "subprocess",
+    "sysconfig", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace", "traceback",
+    "turtle", "typing", "urllib.parse", "urllib.request", "uuid", "wave", "weakref", "webbrowser", "zipfile",
+)
+
+
+def load_stdlib_code(min_chars: int = 300, max_chars: int = 1500) -> list[Query]:
+    """Every function of :data:`STDLIB_MODULES` whose source is ``min_chars``-``max_chars`` long,
+    as raw code to complete: its first two thirds (cut at a line end), domain ``stdlib``. Real
+    code nobody here wrote, read from this machine's standard library (no download)."""
+    import ast
+    import importlib
+    import inspect
+
+    queries: list[Query] = []
+    for name in STDLIB_MODULES:
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except (ImportError, OSError, TypeError):  # a module this Python lacks (or ships compiled only)
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = ast.get_source_segment(source, node, padded=True) or ""
+            if not min_chars <= len(body) <= max_chars:
+                continue
+            cut = body.rfind("\n", 0, len(body) * 2 // 3)
+            queries.append(Query(f"stdlib/{name}.{node.name}:{node.lineno}", "stdlib", "stdlib", prompt=body[: cut + 1]))
+    return queries
 
 
 def stream_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
@@ -507,6 +547,8 @@ def stream_pools(domains: Sequence[str]) -> dict[str, list[Query]]:
     if unknown:
         raise ValueError(f"unknown domain(s) {unknown}: use names from {STREAM_DOMAINS}")
     pools = english_pools([d for d in domains if d in DOMAINS])
+    if "stdlib" in domains:
+        pools["stdlib"] = load_stdlib_code()
     if "math_ml" in domains:
         pools["math_ml"] = [
             dataclasses.replace(q, domain="math_ml") for lang in MATH_ML_LANGUAGES for q in load_gsm_symbolic(lang)

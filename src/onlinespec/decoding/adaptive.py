@@ -74,6 +74,10 @@ class AdaptiveK:
         """Acceptance of steps 1..n of a proposal not drafted yet (any drafter, no confidence)."""
         return [self._estimate((f"{ANY}@step", i), 0.5) for i in range(n)]
 
+    def source_estimates(self, source: str, n: int) -> list[float]:
+        """Acceptance of steps 1..n of a proposal ``source`` has not drafted yet (no confidence)."""
+        return [self._estimate((f"{source}@step", i), 0.5) for i in range(n)]
+
     def choose(self, proposal: Proposal, uncached: int, use_confidence: bool) -> int:
         """How many of ``proposal``'s tokens to verify (0 .. len), for one request alone."""
         row = PlanRow(proposal, self, use_confidence, uncached=uncached)
@@ -82,7 +86,7 @@ class AdaptiveK:
     def update(self, proposal: Proposal, n_accepted: int, use_confidence: bool) -> None:
         """Record what verification judged: proposals up to and including the first rejection."""
         for i in range(min(len(proposal), n_accepted + 1)):
-            for key in {self._key(proposal, i, use_confidence)[0], (f"{ANY}@step", i)}:
+            for key in {self._key(proposal, i, use_confidence)[0], (f"{proposal.source}@step", i), (f"{ANY}@step", i)}:
                 rate = self.rates.setdefault(key, _Rate())
                 rate.accepted = rate.accepted * self.decay + (i < n_accepted)
                 rate.judged = rate.judged * self.decay + 1

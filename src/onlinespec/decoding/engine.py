@@ -214,7 +214,8 @@ class SpeculativeEngine:
         for members in groups.values():
             proposer = rows[members[0]].proposer
             inputs = [DraftInput(rows[i].ids, asks[i], rows[i].params, rows[i].generator, rows[i].draft_state,
-                                 with_probs=rows[i].trace is not None) for i in members]
+                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive)
+                      for i in members]
             tick = time.perf_counter()
             for i, proposal in zip(members, proposer.propose(inputs)):
                 proposals[i] = trim(proposal, asks[i])  # never more than asked, whatever the proposer did
@@ -260,7 +261,7 @@ class SpeculativeEngine:
         r.ids.extend(new)
         r.new_tokens = new
         stats = r.stats
-        stats.add_round(n, verdict.n_accepted, timing)
+        stats.add_round(n, verdict.n_accepted, timing, proposal.source)
         stats.new_tokens = len(r.stop.generated)
         stats.seconds = time.perf_counter() - r.submitted
         if not stats.first_token_seconds:

@@ -2,8 +2,14 @@
 with its own proposer, decoder (its own adaptive-k statistics), replay buffer, registry and
 learner, all under one output folder::
 
-    drafts/<name>/   the draft's registry (versions, CURRENT)
-    buffer/<name>/   its replay buffer
+    drafts/<name>/                            the draft's registry (versions, CURRENT)
+    drafts/<name>/suffix-index.safetensors    its suffix index of earlier requests (when its proposer has one)
+    buffer/<name>/                            its replay buffer
+
+A draft whose proposer has a suffix index (:mod:`onlinespec.decoding.proposers.suffix`) adds every
+served request to it (``suffix_tokens > 0``), learning or not: it costs no target call and no
+training. The index is saved atomically every ``SAVE_SECONDS`` (when it changed), on a purge and
+at shutdown, and loaded again on restart.
 
 A draft is created the first time the router names it, from the starting draft, or, after a
 restart, from the last version its registry published. The learners share one update slot: one
@@ -24,13 +30,18 @@ retention, purged, quarantined, versions pruned.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
+from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
 from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
@@ -39,6 +50,9 @@ from onlinespec.routing import SHARED, Router
 
 log = logging.getLogger("onlinespec.pool")
 
+SAVE_SECONDS = 10.0  # a changed suffix index is saved at most this often (and on purge and shutdown)
+SUFFIX_FILE = "suffix-index.safetensors"
+
 
 @dataclass
 class Draft:
@@ -46,6 +60,8 @@ class Draft:
     proposer: Proposer | None  # None: the target alone
     adaptive: AdaptiveK | None  # its own acceptance statistics (adaptive k)
     learner: OnlineLearner | None
+    suffix: SuffixIndex | None = None  # learns from every request it serves (None: no index, or not learning)
+    suffix_path: Path | None = None
 
     @property
     def version(self) -> str | None:
@@ -56,8 +72,9 @@ def saved_drafts(out_dir: str | Path) -> list[str]:
     """The drafts that a previous run in ``out_dir`` published, oldest first (a restart routes
     their domains to them again)."""
     root = Path(out_dir) / "drafts"
-    found = [p for p in root.iterdir() if (p / "CURRENT").exists()] if root.is_dir() else []
-    return [p.name for p in sorted(found, key=lambda p: (p / "v0001").stat().st_mtime if (p / "v0001").exists() else 0)]
+    found = [p for p in root.iterdir() if (p / "CURRENT").exists() or (p / SUFFIX_FILE).exists()] if root.is_dir() else []
+    first = lambda p: next((f.stat().st_mtime for f in (p / "v0001", p / SUFFIX_FILE) if f.exists()), 0)  # noqa: E731
+    return [p.name for p in sorted(found, key=first)]
 
 
 class DraftPool:
@@ -73,14 +90,18 @@ class DraftPool:
         buffer_bytes: int = 512 * 2**20,
         retention_seconds: float | None = None,
         identity: dict | None = None,
+        suffix_tokens: int = 0,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
-        (target, draft spec, tokenizer fingerprint) is stored with every record and version."""
+        (target, draft spec, tokenizer fingerprint) is stored with every record and version.
+        ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing)."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
         self.retention_seconds, self.identity = retention_seconds, identity or {}
+        self.suffix_tokens = suffix_tokens
+        self._saved_at = 0.0
         self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
@@ -100,9 +121,11 @@ class DraftPool:
     def _create(self, name: str) -> Draft:
         proposer, adaptive = self.new_draft()
         learner = None
-        if self.learner_config is not None:
+        model_free = getattr(proposer, "suffix_index", None) is not None and not hasattr(proposer, "swap_model")
+        if self.learner_config is not None and not model_free:  # a suffix proposer learns through its index alone
             if not hasattr(proposer, "swap_model"):
-                raise ValueError(f"online learning needs a learned draft (a draft LM, a head or a hybrid), not {getattr(proposer, 'name', 'none')!r}")
+                raise ValueError(f"online learning needs a learned draft (a draft LM, a head, a hybrid) or a suffix index, "
+                                 f"not {getattr(proposer, 'name', 'none')!r}")
             buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
                                   max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
                                   identity=self.identity.get("tokenizer", ""))
@@ -111,16 +134,56 @@ class DraftPool:
                                     on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": len(buffer),
                            "quarantined": buffer.counts["quarantined"] + len(registry.quarantined)})
-        return Draft(name, proposer, adaptive, learner)
+        draft = Draft(name, proposer, adaptive, learner)
+        self._open_suffix(draft)
+        return draft
+
+    def _open_suffix(self, draft: Draft) -> None:
+        """Give the draft its suffix index's saved contents (an unreadable file is moved to the
+        registry's quarantine/ and the index starts empty)."""
+        index = getattr(draft.proposer, "suffix_index", None)
+        if index is None or self.suffix_tokens <= 0:
+            return
+        index.max_tokens, index.identity = self.suffix_tokens, self.identity.get("tokenizer", "")
+        draft.suffix, draft.suffix_path = index, self.out_dir / "drafts" / draft.name / SUFFIX_FILE
+        draft.suffix_path.parent.mkdir(parents=True, exist_ok=True)
+        if draft.suffix_path.exists():
+            try:
+                index.load(draft.suffix_path)
+            except IdentityMismatch:
+                raise
+            except (ValueError, KeyError, SafetensorError) as err:  # a bad file; an I/O error of the moment is raised
+                quarantine = draft.suffix_path.parent / "quarantine"
+                quarantine.mkdir(exist_ok=True)
+                shutil.move(str(draft.suffix_path), quarantine / f"{SUFFIX_FILE}.{int(time.time())}")
+                log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", draft.name, err, quarantine)
+        self.on_event({"event": "suffix_index", "draft": draft.name, **index.stats()})
+
+    def save_suffix(self, force: bool = False) -> None:
+        """Save every changed suffix index (at most every SAVE_SECONDS unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._saved_at < SAVE_SECONDS:
+            return
+        self._saved_at = now
+        for draft in list(self.drafts.values()):
+            if draft.suffix is not None and (draft.suffix.dirty or force and not draft.suffix_path.exists()):
+                try:
+                    draft.suffix.save(draft.suffix_path)
+                except OSError as err:  # a full disk: serving goes on, the index stays in memory
+                    log.error("draft %s: its suffix index could not be saved: %s", draft.name, err)
 
     def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> bool:
         """Record a served request with its draft's learner (durable when this returns; whether
         every record was stored); then, if the slot is free, start the update that has waited
         longest for it (first due, first served: none waits for ever)."""
-        if draft.learner is None:
+        if draft.learner is None and draft.suffix is None:
             return False
         if not train:
             self.opted_out += 1
+            return False
+        if draft.suffix is not None:
+            draft.suffix.add(generation.prompt_ids + generation.token_ids, request_id)
+        if draft.learner is None:
             return False
         stored = draft.learner.observe(generation, domain, request_id, train, start=False)
         with self._lock:
@@ -131,7 +194,7 @@ class DraftPool:
         """Open every draft a previous run in the out-dir published that the router serves (at
         start-up: a registry of another model is refused then, not at its domain's first
         request); their names."""
-        if self.learner_config is None:
+        if self.learner_config is None and self.suffix_tokens <= 0:
             return []
         serves = {SHARED} if self.router.policy == "single" else {*self.router.drafts, SHARED}
         with self._lock:
@@ -142,7 +205,11 @@ class DraftPool:
 
     def tick(self) -> None:
         """Housekeeping, every second or so (the core's housekeeping thread): expire records
-        past retention, and serve the version another process made CURRENT."""
+        past retention, serve the version another process made CURRENT, save suffix indices."""
+        for draft in list(self.drafts.values()):
+            if draft.suffix is not None:
+                draft.suffix.expire(self.retention_seconds)
+        self.save_suffix()
         for learner in self.learners:
             try:
                 with learner._lock:
@@ -157,6 +224,9 @@ class DraftPool:
         for learner in self.learners:
             with learner._lock:
                 removed += learner.buffer.purge(request_id, before)
+        for draft in list(self.drafts.values()):
+            if draft.suffix is not None and draft.suffix.purge(request_id, before):
+                draft.suffix.save(draft.suffix_path)  # durable now: the purge is acknowledged
         return removed
 
     def governance(self) -> dict:
@@ -170,7 +240,9 @@ class DraftPool:
             held += len(learner.buffer)
             write_failures += learner.write_failures
             pruned += len(learner.pruned)
+        suffix = [d.suffix.stats() for d in list(self.drafts.values()) if d.suffix is not None]
         return {"records_stored": counts["stored"], "records_held": held, "refused_opt_out": self.opted_out,
+                "suffix_requests_held": sum(s["requests"] for s in suffix), "suffix_tokens_held": sum(s["tokens"] for s in suffix),
                 "write_failures": write_failures, "evicted": counts["evicted"], "expired": counts["expired"],
                 "purged": counts["purged"], "quarantined": counts["quarantined"], "versions_pruned": pruned,
                 "retention_seconds": self.retention_seconds}

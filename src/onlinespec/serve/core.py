@@ -68,7 +68,8 @@ class CoreConfig:
     draft: str = DEFAULT_DRAFT
     k: int = DEFAULT_K
     dtype: str = DEFAULT_DTYPE
-    learn: bool = True  # update the drafts online (off: serve them static)
+    learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
+    head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)
     buffer_policy: str = "window"
     buffer_records: int = 2000
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -85,6 +86,7 @@ class CoreConfig:
     log_text: bool = False  # request log lines carry prompt and output text
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
+    suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -97,6 +99,8 @@ class CoreConfig:
             raise ValueError(f"retention_days must be > 0 (or unset: keep records), got {self.retention_days}")
         if self.max_buffer_bytes < 1:
             raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
 
     @property
     def retention_seconds(self) -> float | None:
@@ -323,9 +327,10 @@ class ServingCore:
         learning = config.learning
         router = Router(config.router if learning else "single", config.max_drafts, saved_drafts(self.out_dir) if learning else ())
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
-        self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning else None, config.buffer_policy,
+        self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
                               config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity)
+                              retention_seconds=config.retention_seconds, identity=self.identity,
+                              suffix_tokens=config.suffix_tokens if learning else 0)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
@@ -365,6 +370,7 @@ class ServingCore:
         self._finished.put(None)
         self._recorder_thread.join(60)
         self._housekeeper.join(60)
+        self.pool.save_suffix(force=True)
         for learner in self.pool.learners:
             learner.stop(timeout=60)
         self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
@@ -431,7 +437,7 @@ class ServingCore:
         params = params or SamplingParams()
         params = replace(params, max_new_tokens=self.max_new_tokens(len(ids), max_tokens))
         chosen = self._draft(domain, draft)
-        train = train and chosen.learner is not None
+        train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
                 retry = max(1, math.ceil(self._recent_seconds * (1 + len(self.scheduler.waiting) / self.config.max_batch)))
@@ -439,7 +445,7 @@ class ServingCore:
                 raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (the limit is {self.config.max_waiting}): "
                                  f"retry in {retry} s", retry)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train else None)
+                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
@@ -584,13 +590,13 @@ class ServingCore:
         text = state.stop.text()
         generation = Generation(text, list(state.stop.generated), state.prompt_ids, state.stats, state.trace or [])
         recorded = False
-        if draft.learner is not None:
-            failures = draft.learner.write_failures
+        if draft.learner is not None or draft.suffix is not None:
+            failures = draft.learner.write_failures if draft.learner is not None else 0
             try:  # durable when it returns; a record a disk write failed is skipped and counted
                 recorded = self.pool.observe(draft, generation, handle.domain, handle.request_id, train=handle.train)
             except Exception as err:
                 logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
-            if draft.learner.write_failures > failures:
+            if draft.learner is not None and draft.learner.write_failures > failures:
                 self.metrics.record_failures.labels(draft.name).inc(draft.learner.write_failures - failures)
             if not handle.train:
                 self.metrics.opted_out.inc()
@@ -656,6 +662,8 @@ class ServingCore:
         rows = []
         for name, draft in [*self.pool.drafts.items(), *self.baselines.items()]:
             row = {"name": name, "version": draft.version, "learning": draft.learner is not None}
+            if draft.suffix is not None:
+                row["suffix_index"] = draft.suffix.stats()
             if draft.learner is not None:
                 learner, registry = draft.learner, draft.learner.registry
                 row.update(

@@ -48,6 +48,9 @@ class DraftInput:
     generator: torch.Generator | None  # the request's own: draws never depend on the batch
     state: Any = None  # what :meth:`Proposer.start` returned for this request
     with_probs: bool = False  # return full rows in ``Proposal.probs`` even when greedy
+    # The request's draft acceptance statistics (an AdaptiveK; None: fixed k): a proposer that
+    # can draft several ways may pick, per round, the one expected to be accepted furthest.
+    adaptive: Any = None
 
 
 class Proposer(Protocol):

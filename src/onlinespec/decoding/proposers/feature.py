@@ -26,6 +26,7 @@ class HeadState:
 
 class FeatureHeadProposer(SwappableDraft):
     uses_features = True
+    source = "head"  # Proposal.source of its proposals
 
     def __init__(self, head: FeatureHead, name: str = "feature-head", version: str = "v0") -> None:
         self.name = name
@@ -83,5 +84,5 @@ class FeatureHeadProposer(SwappableDraft):
                 restricted = torch.stack(rows[row])
                 probs = restricted.new_zeros(len(restricted), vocab)
                 probs[:, head.vocab_ids] = restricted
-            out[i] = Proposal(tokens[row], probs, seconds, confidences=confidences[row], source="head")
+            out[i] = Proposal(tokens[row], probs, seconds, confidences=confidences[row], source=self.source)
         return out

@@ -1,29 +1,40 @@
-"""n-gram lookup where the text offers a match, a learned draft elsewhere.
+"""n-gram lookup where the text offers a match, the suffix index of earlier requests, a learned
+draft elsewhere.
 
 The target copies a lot (code identifiers, numbers from a math question, its own earlier
-sentences): there prompt lookup is free and often right for several tokens in a row. Where no
-earlier text matches, the learned draft proposes. A batch splits: every request is looked up on
-its own, and the requests with no match go to the learned draft in one call. The engine's
-adaptive-k policy then judges each source by its own measured acceptance (``Proposal.source``).
+sentences): there prompt lookup is free and often right for several tokens in a row. What it
+said in earlier requests it tends to say again (:mod:`onlinespec.decoding.proposers.suffix`):
+the suffix index proposes that, also for free. Where neither matches, the learned draft proposes.
+
+Per round and request: a prompt-lookup match wins; else a suffix-index match is taken when its
+expected accepted length (from its confidences, calibrated on its own measured acceptance in the
+request's adaptive-k statistics) is at least the learned draft's (from the learned draft's
+measured per-step acceptance); else the learned draft drafts. The choice reads only the text so
+far and past statistics, never a random draw, so sampled output keeps the target's distribution.
+A batch splits: the requests left to the learned draft go to it in one call. The engine's
+adaptive k then judges each source by its own measured acceptance (``Proposal.source``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from onlinespec.decoding.adaptive import expected_tokens
 from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
-from onlinespec.decoding.proposers.ngram import lookup
+from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
 
 class HybridProposer(SwappableDraft):
-    def __init__(self, learned, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        """``min_ngram``: the shortest suffix match that wins over the learned draft."""
+    def __init__(self, learned, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
+                 min_match: int = 3) -> None:
+        """``min_ngram``: the shortest prompt-lookup match that wins over the learned draft;
+        ``min_match``: the shortest suffix-index match considered (``suffix_index=None``: none)."""
         self.learned = learned
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.name = f"hybrid(ngram:{max_ngram}+{learned.name})"
+        self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
+        self.suffix_index = suffix_index
+        self.name = f"hybrid(ngram:{max_ngram}{'+suffix' if suffix_index is not None else ''}+{learned.name})"
         self.uses_features = getattr(learned, "uses_features", False)
 
     @property
@@ -43,9 +54,20 @@ class HybridProposer(SwappableDraft):
     def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
         out: list[Proposal | None] = []
         for d in batch:
-            copied = lookup(np.asarray(d.ids), d.k, self.max_ngram, self.min_ngram)
-            out.append(Proposal(tokens=copied, source="ngram") if copied else None)
+            free = propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match)
+            if free is not None and free.source == "suffix" and not self._suffix_pays(free, d):
+                free = None
+            out.append(free)
         rest = [i for i, p in enumerate(out) if p is None]
         for i, proposal in zip(rest, self.learned.propose([batch[i] for i in rest]) if rest else []):
             out[i] = proposal
         return out
+
+    def _suffix_pays(self, proposal: Proposal, d: DraftInput) -> bool:
+        """Whether the suffix index's proposal is expected to be accepted at least as far as the
+        learned draft's (always, without statistics to judge by)."""
+        if d.adaptive is None:
+            return True
+        mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=True), len(proposal))
+        learned = expected_tokens(d.adaptive.source_estimates(getattr(self.learned, "source", "draft"), d.k), d.k)
+        return mine >= learned

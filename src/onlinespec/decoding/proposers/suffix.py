@@ -1,0 +1,332 @@
+"""A suffix index over earlier requests: the target's verified outputs (and their prompts) as a
+model-free draft that learns from every request at zero target cost.
+
+The idea is Snowflake Arctic's suffix decoding (Oliaro et al., 2024, arXiv 2411.04975): what a
+target said before, it tends to say again (the opening of its answers, its code idioms, the
+steps of a worked maths problem in every language). Find the longest suffix of the current text
+that occurred in earlier requests, and propose what most often followed it.
+
+The structure. A suffix tree answers two questions: how long is the longest earlier occurrence
+of the current suffix, and how often was each continuation seen after it. We answer both with an
+anchor index, which keeps the lookups and makes eviction cheap:
+
+- the corpus is every indexed request's tokens, concatenated in arrival order (a separator
+  between requests) in one int32 array;
+- ``anchors`` maps each ``ANCHOR``-gram (two tokens) to the corpus positions that follow its
+  occurrences, ascending;
+- a lookup takes the positions after the current text's last two tokens (the newest
+  ``max_candidates``), extends every match backwards up to ``max_match`` tokens in one vectorised
+  comparison, keeps the candidates with the longest match (the suffix tree's deepest node), and
+  walks their continuations greedily: at each step the most frequent next token (ties: the
+  newest), the candidates that disagree dropped. The conditional frequency of each step, shrunk
+  by the evidence behind it (``count / (n + 1)``), is the proposal's confidence, which the
+  engine's adaptive k calibrates against measured acceptance.
+
+A suffix tree (or automaton) would find matches of any length in time independent of the corpus,
+but deleting the oldest request from one is a rebuild, and each node costs tens of bytes per
+corpus token in Python. Here memory is the corpus (4 bytes a token) plus one list entry per token
+(``max_tokens`` bounds both), eviction of the oldest requests is a moving ``base`` (positions below
+it are dead and skipped) with a compaction when dead entries outnumber live ones, and a request
+added costs one dict append per token. Matches longer than ``max_match`` tokens gain nothing a
+proposer of ``k <= 8`` tokens can use.
+
+Privacy: a document is kept with its request id and arrival time, so a purge or retention removes
+it (:meth:`purge`, :meth:`expire`); the caller never adds a request that opted out of training.
+Thread-safe: one lock around every read and write (a lookup takes tens of microseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from array import array
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onlinespec.decoding.proposers.base import DraftInput, PerRequestProposer, Proposal
+from onlinespec.decoding.proposers.ngram import lookup
+
+ANCHOR = 2  # tokens every match starts from (a key of the anchor index)
+SEPARATOR = -1  # between documents in the corpus: never a token, so no match crosses a request
+FORMAT = "onlinespec-suffix-index/1"
+
+
+class IdentityMismatch(ValueError):
+    """A saved index was made with another tokenizer: its token ids mean other words here."""
+
+
+@dataclass
+class _Doc:
+    start: int  # global position of its first token in the corpus
+    length: int
+    request_id: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class SuffixMatch:
+    tokens: list[int]
+    confidences: list[float]
+    match_length: int  # tokens of the current text matched before the proposal
+    support: int  # earlier occurrences of that match
+
+
+class SuffixIndex:
+    def __init__(self, max_tokens: int = 500_000, max_match: int = 8, max_candidates: int = 256,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_tokens < 1 or max_match < ANCHOR or max_candidates < 1:
+            raise ValueError(f"need max_tokens >= 1, max_match >= {ANCHOR}, max_candidates >= 1; got "
+                             f"{max_tokens}, {max_match}, {max_candidates}")
+        self.max_tokens, self.max_match, self.max_candidates = max_tokens, max_match, max_candidates
+        self.clock = clock
+        self.identity = ""  # the tokenizer's fingerprint, saved with the index and checked on load
+        self._lock = threading.Lock()
+        self._clear()
+        self.dirty = False  # changed since the last save
+        self.counts = {"added": 0, "evicted": 0, "expired": 0, "purged": 0}
+
+    def _clear(self) -> None:
+        self._docs: OrderedDict[int, _Doc] = OrderedDict()  # keyed by start, oldest first
+        self._chunks: list[np.ndarray] = []  # appended documents not yet folded into _corpus
+        self._corpus = np.empty(0, dtype=np.int32)
+        self._base = 0  # global position of _corpus[0]; positions below it are evicted
+        self._end = 0  # global position one past the last token
+        self._anchors: dict[tuple[int, int], array] = {}  # int64 positions, ascending
+        self._dead = 0  # anchor entries below _base, not yet compacted
+        self._live = 0  # tokens of the documents kept
+
+    # ---- size ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Requests indexed."""
+        return len(self._docs)
+
+    @property
+    def tokens(self) -> int:
+        return self._live
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"requests": len(self._docs), "tokens": self.tokens, "max_tokens": self.max_tokens, **self.counts}
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def add(self, tokens: Sequence[int], request_id: str = "", created_at: float | None = None) -> None:
+        """Index one request's tokens (prompt + verified output); the oldest requests go when the
+        index is over ``max_tokens``."""
+        doc = np.asarray(tokens, dtype=np.int32)
+        if doc.size < ANCHOR + 1:
+            return
+        if doc.size > self.max_tokens:
+            doc = doc[-self.max_tokens:]
+        with self._lock:
+            self._append(doc, request_id, self.clock() if created_at is None else created_at)
+            self.counts["added"] += 1
+            while self.tokens > self.max_tokens:
+                self._drop_oldest("evicted")
+            self._maybe_compact()
+            self.dirty = True
+
+    def _append(self, doc: np.ndarray, request_id: str, created_at: float) -> None:
+        start = self._end
+        self._docs[start] = _Doc(start, int(doc.size), request_id, created_at)
+        self._chunks.append(np.append(doc, np.int32(SEPARATOR)))
+        self._end += doc.size + 1
+        self._live += int(doc.size)
+        ids = doc.tolist()
+        anchors = self._anchors
+        for i in range(ANCHOR, len(ids)):  # the position after each anchor occurrence
+            anchors.setdefault((ids[i - 2], ids[i - 1]), array("q")).append(start + i)
+
+    def _drop_oldest(self, why: str) -> None:
+        _, doc = self._docs.popitem(last=False)
+        self._base = doc.start + doc.length + 1 if not self._docs else next(iter(self._docs.values())).start
+        self._dead += max(0, doc.length - ANCHOR)
+        self._live -= doc.length
+        self.counts[why] += 1
+
+    def _maybe_compact(self) -> None:
+        live = self.tokens
+        if self._dead > max(live, 10_000):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rebuild the corpus and anchors from the documents kept (after a purge or an expiry,
+        or once dead anchor entries outnumber live ones)."""
+        corpus = self._flat()
+        offset = self._end - len(corpus)
+        kept = [(corpus[d.start - offset: d.start - offset + d.length], d) for d in self._docs.values()]
+        self._clear()
+        for tokens, d in kept:
+            self._append(tokens, d.request_id, d.created_at)
+
+    def _flat(self) -> np.ndarray:
+        """The corpus from ``_base`` on, pending chunks folded in."""
+        if self._chunks:
+            self._corpus = np.concatenate([self._corpus, *self._chunks])
+            self._chunks = []
+        cut = self._base - (self._end - len(self._corpus))
+        if cut > 0:
+            self._corpus = self._corpus[cut:]
+        return self._corpus
+
+    def purge(self, request_id: str | None = None, before: float | None = None) -> int:
+        """Forget a request's documents (or every one indexed before ``before``); how many."""
+        with self._lock:
+            gone = [s for s, d in self._docs.items()
+                    if (request_id is not None and d.request_id == request_id) or (before is not None and d.created_at < before)]
+            if gone:
+                for s in gone:
+                    del self._docs[s]
+                self.counts["purged"] += len(gone)
+                self._rebuild()
+                self.dirty = True
+            return len(gone)
+
+    def expire(self, retention_seconds: float | None) -> int:
+        """Forget documents older than ``retention_seconds``."""
+        if retention_seconds is None:
+            return 0
+        cutoff = self.clock() - retention_seconds
+        with self._lock:
+            gone = [s for s, d in self._docs.items() if d.created_at < cutoff]
+            for s in gone:
+                del self._docs[s]
+            if gone:
+                self.counts["expired"] += len(gone)
+                self._rebuild()
+                self.dirty = True
+            return len(gone)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def match(self, ids: Sequence[int], k: int) -> SuffixMatch | None:
+        """Up to ``k`` tokens that most often followed the longest earlier occurrence of the end of
+        ``ids``, with their confidences; None when the last two tokens never occurred."""
+        if k <= 0 or len(ids) < ANCHOR:
+            return None
+        with self._lock:
+            positions = self._anchors.get((int(ids[-2]), int(ids[-1])))
+            if not positions:
+                return None
+            corpus = self._flat()
+            offset = self._end - len(corpus)
+            cands = np.frombuffer(positions[-self.max_candidates:], dtype=np.int64)
+            cands = cands[cands >= self._base] - offset
+            if cands.size == 0:
+                return None
+            # Extend every match backwards: length = ANCHOR + how many earlier tokens agree too.
+            tail = np.asarray(ids[-self.max_match:], dtype=np.int32)[::-1]  # tail[j]: the token j + 1 back
+            length = np.full(cands.size, ANCHOR)
+            alive = np.ones(cands.size, dtype=bool)
+            for j in range(ANCHOR, len(tail)):
+                at = cands - 1 - j
+                ok = alive & (at >= 0)
+                ok[ok] = corpus[at[ok]] == tail[j]
+                length += ok
+                alive = ok
+                if not alive.any():
+                    break
+            best = int(length.max())
+            cands = cands[length == best]
+            support = int(cands.size)
+            tokens: list[int] = []
+            confidences: list[float] = []
+            for step in range(k):
+                at = cands + step
+                at = at[at < len(corpus)]
+                nxt = corpus[at] if at.size else at
+                nxt = nxt[nxt != SEPARATOR] if at.size else nxt
+                if nxt.size == 0:
+                    break
+                values, first_seen, counts = np.unique(nxt[::-1], return_index=True, return_counts=True)
+                top = np.flatnonzero(counts == counts.max())
+                pick = top[np.argmin(first_seen[top])]  # ties: the newest occurrence
+                token = int(values[pick])
+                confidences.append(float(counts[pick]) / (cands.size + 1))
+                tokens.append(token)
+                keep = (cands + step < len(corpus)) & (corpus[np.minimum(cands + step, len(corpus) - 1)] == token)
+                cands = cands[keep]
+            return SuffixMatch(tokens, confidences, best, support) if tokens else None
+
+    # ---- persistence ---------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the index durably and atomically (safetensors: the tokens, and per document its
+        length, request id and arrival time)."""
+        from safetensors.numpy import save
+
+        from onlinespec.online.storage import atomic_write
+
+        with self._lock:
+            corpus = self._flat()
+            offset = self._end - len(corpus)
+            docs = list(self._docs.values())
+            parts = [corpus[d.start - offset: d.start - offset + d.length] for d in docs]
+            tensors = {
+                "tokens": np.concatenate(parts) if parts else np.empty(0, dtype=np.int32),
+                "lengths": np.asarray([d.length for d in docs], dtype=np.int64),
+                "created_at": np.asarray([d.created_at for d in docs], dtype=np.float64),
+            }
+            meta = {"format": FORMAT, "tokenizer": self.identity, "request_ids": json.dumps([d.request_id for d in docs]), "counts": json.dumps(self.counts)}
+            self.dirty = False
+        atomic_write(path, save(tensors, metadata=meta))
+
+    def load(self, path: str | Path) -> None:
+        """Replace the contents with a saved index (documents past ``max_tokens`` are evicted)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path} is not a suffix index ({FORMAT}); move it away to start an empty one")
+            if meta.get("tokenizer") and self.identity and meta["tokenizer"] != self.identity:
+                raise IdentityMismatch(f"the suffix index {path} was built with another tokenizer ({meta['tokenizer']!r}, "
+                                       f"this run's is {self.identity!r}): give this run another --out-dir, or start it "
+                                       "with the same target")
+            tokens, lengths, created = f.get_tensor("tokens"), f.get_tensor("lengths"), f.get_tensor("created_at")
+        request_ids = json.loads(meta["request_ids"])
+        with self._lock:
+            self._clear()
+            at = 0
+            for length, request_id, when in zip(lengths.tolist(), request_ids, created.tolist()):
+                self._append(tokens[at: at + length], request_id, when)
+                at += length
+            self.counts.update(json.loads(meta.get("counts", "{}")))
+            while self.tokens > self.max_tokens:
+                self._drop_oldest("evicted")
+            self._maybe_compact()
+            self.dirty = False
+
+
+class SuffixProposer(PerRequestProposer):
+    """Prompt lookup, then the suffix index over earlier requests: model-free, nothing to train.
+
+    ``min_match``: the shortest suffix match (tokens) the index proposes from.
+    """
+
+    def __init__(self, index: SuffixIndex | None = None, max_ngram: int = 3, min_ngram: int = 2, min_match: int = 3) -> None:
+        self.suffix_index = index or SuffixIndex()
+        self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
+        self.name = f"suffix(ngram:{max_ngram})"
+
+    def propose_one(self, d: DraftInput) -> Proposal:
+        return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(source="suffix")
+
+
+def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int, min_ngram: int, min_match: int) -> Proposal | None:
+    """The request's own text first (prompt lookup), then earlier requests (the suffix index);
+    None when neither matches. Both are point masses: the exact sampler stays lossless."""
+    copied = lookup(np.asarray(d.ids), d.k, max_ngram, min_ngram)
+    if copied:
+        return Proposal(tokens=copied, source="ngram")
+    if index is not None:
+        found = index.match(d.ids, d.k)
+        if found is not None and found.match_length >= min_match:
+            return Proposal(tokens=found.tokens, confidences=found.confidences, source="suffix")
+    return None

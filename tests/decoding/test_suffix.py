@@ -1,0 +1,131 @@
+"""The suffix index of earlier requests: what it proposes, what it forgets, what it keeps on disk,
+and that drafting from it stays lossless (greedy identical, sampled output the target's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onlinespec.decoding.proposers.base import DraftInput
+from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.speculative import SpeculativeDecoder
+
+from test_lossless_engine import N_RUNS, NEW_TOKENS, PASS_P, PLAIN, PROMPT, empirical, exact_distribution, fit
+
+
+def test_the_longest_earlier_match_decides_then_the_most_frequent_continuation():
+    index = SuffixIndex()
+    index.add([7, 1, 2, 3, 4, 5], "a")  # after 7 1 2 3: 4 5
+    for i in range(3):
+        index.add([8, 1, 2, 3, 9, 9], f"b{i}")  # after 1 2 3 (three times): 9 9
+    longest = index.match([7, 1, 2, 3], 2)
+    assert longest.tokens == [4, 5] and longest.match_length == 4 and longest.support == 1
+    frequent = index.match([0, 1, 2, 3], 2)
+    assert frequent.tokens == [9, 9] and frequent.support == 4
+    assert frequent.confidences[0] == pytest.approx(3 / 5)  # 3 of 4 occurrences, shrunk: count / (n + 1)
+    assert index.match([5, 6], 3) is None  # never seen
+
+
+def test_ties_go_to_the_newest_and_no_match_crosses_a_request():
+    index = SuffixIndex()
+    index.add([1, 2, 3], "old")
+    index.add([1, 2, 4], "new")
+    assert index.match([1, 2], 1).tokens == [4]
+    index = SuffixIndex()
+    index.add([5, 6], "short")  # under three tokens: nothing to learn
+    index.add([1, 2, 3], "a")
+    index.add([4, 5, 6], "b")
+    assert index.match([1, 2], 4).tokens == [3]  # stops at the end of its request, never runs into the next
+
+
+def test_memory_is_bounded_and_the_oldest_requests_go_first():
+    index = SuffixIndex(max_tokens=50)
+    for i in range(40):
+        index.add([100 + i, 1, 2, 1000 + i], f"r{i}")
+    assert index.tokens <= 50 and index.counts["evicted"] == 40 - len(index)
+    assert index.match([1, 2], 1).tokens == [1039]
+    assert index.match([100, 1, 2], 1).tokens == [1039]  # r0 is gone: its longer match no longer exists
+
+
+def test_purge_and_retention_forget_requests(tmp_path):
+    now = [1000.0]
+    index = SuffixIndex(clock=lambda: now[0])
+    index.add([1, 2, 3, 4], "secret")
+    index.add([5, 6, 7, 8], "kept")
+    assert index.purge(request_id="secret") == 1 and index.match([1, 2], 2) is None
+    now[0] += 100
+    index.add([9, 8, 7, 1], "new")
+    assert index.expire(50) == 1  # "kept" was indexed 100 s ago
+    assert index.match([5, 6], 2) is None and index.match([9, 8], 1).tokens == [7]
+
+
+def test_saved_and_loaded_it_proposes_the_same(tmp_path):
+    index = SuffixIndex()
+    for i in range(5):
+        index.add([1, 2, 3, 4 + i % 2, 7], f"r{i}", created_at=float(i))
+    index.save(tmp_path / "index.safetensors")
+    again = SuffixIndex()
+    again.load(tmp_path / "index.safetensors")
+    assert again.stats() == index.stats() and again.match([1, 2, 3], 3) == index.match([1, 2, 3], 3)
+    assert again.purge(before=2.0) == 2  # arrival times survive the round trip
+    (tmp_path / "bad.safetensors").write_bytes(b"not an index")
+    with pytest.raises(Exception):
+        SuffixIndex().load(tmp_path / "bad.safetensors")
+
+
+def test_the_proposer_copies_the_request_first_then_earlier_requests():
+    index = SuffixIndex()
+    index.add([10, 11, 12, 13, 14], "earlier")
+    proposer = SuffixProposer(index, min_match=2)
+    greedy = SamplingParams(temperature=0.0)
+    own, earlier = proposer.propose([DraftInput([5, 6, 7, 5, 6], 2, greedy, None), DraftInput([9, 11, 12], 2, greedy, None)])
+    assert own.source == "ngram" and own.tokens == [7, 5]
+    assert earlier.source == "suffix" and earlier.tokens == [13, 14] and len(earlier.confidences) == 2
+
+
+def test_greedy_from_the_index_is_identical_to_the_target_alone_and_accepted(tiny_target):
+    alone = SpeculativeDecoder(tiny_target, None, None)
+    params = SamplingParams(max_new_tokens=24)
+    prompt = [1, 4, 2, 5]
+    reference = alone.generate(prompt, params)
+    index = SuffixIndex()
+    index.add(reference.prompt_ids + reference.token_ids, "the same question before")
+    spec = SpeculativeDecoder(tiny_target, None, SuffixProposer(index), k=4).generate(prompt, params)
+    assert spec.token_ids == reference.token_ids
+    assert spec.stats.acceptance_rate > 0.9  # the target says again what it said
+
+
+def test_sampling_from_the_index_matches_the_target_distribution(tiny_target, chi_square):
+    """Point masses from earlier requests, several continuations per match: the target's
+    distribution all the same. N = 6000, p > 1e-3."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, **PLAIN)
+    exact = exact_distribution(tiny_target, PROMPT, params)
+    index = SuffixIndex()
+    gen = torch.Generator().manual_seed(3)
+    for i in range(30):  # earlier requests that began like this one and went on in many ways
+        index.add(PROMPT + torch.randint(0, 6, (5,), generator=gen).tolist(), f"r{i}")
+    decoder = SpeculativeDecoder(tiny_target, None, SuffixProposer(index, min_match=2), k=2)
+    counts, totals = empirical(decoder, PROMPT, N_RUNS, **PLAIN)
+    assert totals["accepted"] > N_RUNS / 10 and totals["rejected"] > N_RUNS / 10, totals
+    p_value, stat, df = fit(counts, exact, chi_square)
+    assert p_value > PASS_P, (p_value, stat, df)
+
+
+def test_the_hybrid_takes_the_index_only_when_it_is_expected_to_go_further(tiny_draft):
+    from onlinespec.decoding.adaptive import AdaptiveK
+    from onlinespec.decoding.proposers.base import Proposal
+    from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+    from onlinespec.decoding.proposers.hybrid import HybridProposer
+
+    index = SuffixIndex()
+    index.add([0, 3, 1, 2, 5, 4], "once")  # one occurrence: confidence 1/2 per token
+    hybrid = HybridProposer(DraftModelProposer(tiny_draft), suffix_index=index)
+    greedy = SamplingParams(temperature=0.0)
+    ask = lambda adaptive: hybrid.propose([DraftInput([4, 3, 1, 2], 2, greedy, None, adaptive=adaptive)])[0].source  # noqa: E731
+    assert ask(None) == "suffix"  # nothing measured: the free proposal
+    stats = AdaptiveK([1.0, 1.0, 1.0])
+    for _ in range(200):  # the draft model has been accepted almost always, the index's half-sure guesses never
+        stats.update(Proposal([1, 2], source="draft"), 2, use_confidence=True)
+        stats.update(Proposal([1, 2], confidences=[0.5, 0.5], source="suffix"), 0, use_confidence=True)
+    assert ask(stats) == "draft"

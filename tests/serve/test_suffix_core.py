@@ -1,0 +1,55 @@
+"""A serving core whose draft has a suffix index learns from every request it serves: the same
+question again is drafted from the first answer (and answered identically), an opted-out request
+is never indexed, the index survives a restart, and a purge removes a request from it."""
+
+from __future__ import annotations
+
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.speculative import SpeculativeDecoder
+from onlinespec.models import load_model
+from onlinespec.online.pool import SUFFIX_FILE
+from onlinespec.serve.core import CoreConfig, ServingCore
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def start(folder, out_dir) -> ServingCore:
+    core = ServingCore(CoreConfig(target=str(folder), draft="suffix", k=4, kernels=False, adaptive_k=False), out_dir)
+    core.load()
+    return core
+
+
+def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(tiny_target_folder, tmp_path):
+    question = [{"role": "user", "content": "Explain what a cache is, briefly."}]
+    target = load_model(str(tiny_target_folder))
+    core = start(tiny_target_folder, tmp_path / "run")
+    try:
+        first = core.submit(question, GREEDY, max_tokens=24, request_id="q1").result()
+        again = core.submit(question, GREEDY, max_tokens=24, request_id="q2").result()
+        private = core.submit("Something private.", GREEDY, max_tokens=8, request_id="p", train=False).result()
+        index = next(iter(core.pool.drafts.values())).suffix
+        assert index.stats()["requests"] == 2  # q1 and q2; never the opted-out one
+        assert again.text == first.text
+        assert again.stats.acceptance_rate > 0.9 > first.stats.acceptance_rate  # drafted from q1's answer
+        alone = SpeculativeDecoder(target.model, target.tokenizer, None).generate(
+            question, SamplingParams(max_new_tokens=24))
+        assert again.token_ids == alone.token_ids
+        assert private.text
+    finally:
+        core.shutdown(drain_seconds=5)
+    [saved_file] = (tmp_path / "run" / "drafts").glob(f"*/{SUFFIX_FILE}")
+    core = start(tiny_target_folder, tmp_path / "run")
+    try:
+        assert next(iter(core.pool.drafts.values())).suffix.stats()["requests"] == 2  # loaded again at start-up
+        third = core.submit(question, GREEDY, max_tokens=24, request_id="q3").result()
+        index = next(iter(core.pool.drafts.values())).suffix
+        assert third.stats.acceptance_rate > 0.9
+        core.purge(request_id="q1")
+        assert index.stats()["requests"] == 2  # q2, q3
+    finally:
+        core.shutdown(drain_seconds=5)
+    from onlinespec.decoding.proposers.suffix import SuffixIndex
+
+    saved = SuffixIndex()
+    saved.load(saved_file)
+    assert saved.stats()["requests"] == 2 and saved.counts["purged"] == 1
