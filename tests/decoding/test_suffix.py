@@ -129,3 +129,14 @@ def test_the_hybrid_takes_the_index_only_when_it_is_expected_to_go_further(tiny_
         stats.update(Proposal([1, 2], source="draft"), 2, use_confidence=True)
         stats.update(Proposal([1, 2], confidences=[0.5, 0.5], source="suffix"), 0, use_confidence=True)
     assert ask(stats) == "draft"
+
+
+def test_the_hybrid_asks_the_learned_draft_for_at_most_learned_k_tokens(tiny_draft):
+    from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+    from onlinespec.decoding.proposers.hybrid import HybridProposer
+
+    hybrid = HybridProposer(DraftModelProposer(tiny_draft), suffix_index=SuffixIndex(), learned_k=2)
+    greedy = SamplingParams(temperature=0.0)
+    learned, copied = hybrid.propose([DraftInput([0, 1, 2, 3], 6, greedy, None), DraftInput([1, 2, 3, 4, 5, 1, 2], 6, greedy, None)])
+    assert learned.source == "draft" and len(learned) == 2  # each learned token costs a draft step
+    assert copied.source == "ngram" and copied.tokens == [3, 4, 5, 1, 2]  # copies are free: up to k

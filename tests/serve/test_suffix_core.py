@@ -31,10 +31,13 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
         assert index.stats()["requests"] == 2  # q1 and q2; never the opted-out one
         assert again.text == first.text
         assert again.stats.acceptance_rate > 0.9 > first.stats.acceptance_rate  # drafted from q1's answer
+        sent, kept = again.stats.by_source["suffix"]
+        assert kept > 0.9 * sent and again.metrics()["speculative_decoding"]["by_source"]["suffix"]["accepted_tokens"] == kept
         alone = SpeculativeDecoder(target.model, target.tokenizer, None).generate(
             question, SamplingParams(max_new_tokens=24))
         assert again.token_ids == alone.token_ids
         assert private.text
+        assert core.metrics.registry.get_sample_value("onlinespec:suffix_index_tokens", {"draft": next(iter(core.pool.drafts))}) == index.tokens
     finally:
         core.shutdown(drain_seconds=5)
     [saved_file] = (tmp_path / "run" / "drafts").glob(f"*/{SUFFIX_FILE}")
@@ -53,3 +56,30 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
     saved = SuffixIndex()
     saved.load(saved_file)
     assert saved.stats()["requests"] == 2 and saved.counts["purged"] == 1
+
+
+def test_an_unreadable_index_is_set_aside_and_another_tokenizers_stops_start_up(tiny_target_folder, tmp_path):
+    import pytest
+
+    from onlinespec.decoding.proposers.suffix import SuffixIndex
+    from onlinespec.serve.core import LoadFailed
+
+    core = start(tiny_target_folder, tmp_path / "run")
+    name = core.submit("x = 1", GREEDY, max_tokens=4, request_id="a").result().draft
+    core.shutdown(drain_seconds=5)
+    saved = tmp_path / "run" / "drafts" / name / SUFFIX_FILE
+    saved.write_bytes(b"\x00" * 40)  # a torn or foreign file
+    core = start(tiny_target_folder, tmp_path / "run")
+    try:
+        assert core.pool.drafts[name].suffix.stats()["requests"] == 0  # set aside: the index starts empty
+        core.submit("x = 1", GREEDY, max_tokens=4, request_id="b").result()
+        assert core.pool.drafts[name].suffix.stats()["requests"] == 1
+        assert list((saved.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"))
+    finally:
+        core.shutdown(drain_seconds=5)
+    other = SuffixIndex()
+    other.identity = "another tokenizer"
+    other.add([1, 2, 3, 4], "elsewhere")
+    other.save(saved)
+    with pytest.raises(LoadFailed, match="another tokenizer"):
+        start(tiny_target_folder, tmp_path / "run")

@@ -159,6 +159,15 @@ class DraftPool:
                 log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", draft.name, err, quarantine)
         self.on_event({"event": "suffix_index", "draft": draft.name, **index.stats()})
 
+    def _expire_quarantined_suffix(self, draft: Draft) -> None:
+        """An unreadable index moved aside holds requests too: it goes with retention."""
+        if self.retention_seconds is None:
+            return
+        cutoff = time.time() - self.retention_seconds
+        for stale in (draft.suffix_path.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"):
+            if stale.stat().st_mtime < cutoff:
+                stale.unlink(missing_ok=True)
+
     def save_suffix(self, force: bool = False) -> None:
         """Save every changed suffix index (at most every SAVE_SECONDS unless ``force``)."""
         now = time.monotonic()
@@ -209,6 +218,7 @@ class DraftPool:
         for draft in list(self.drafts.values()):
             if draft.suffix is not None:
                 draft.suffix.expire(self.retention_seconds)
+                self._expire_quarantined_suffix(draft)
         self.save_suffix()
         for learner in self.learners:
             try:

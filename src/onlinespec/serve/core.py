@@ -607,6 +607,8 @@ class ServingCore:
                         self.pool.busy, recorded)
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
         self.metrics.serving(draft.name, draft.version)
+        if draft.suffix is not None:
+            self.metrics.suffix_tokens.labels(draft.name).set(draft.suffix.tokens)
         if draft.learner is not None:
             buffer = draft.learner.buffer
             self.metrics.buffer_records.labels(draft.name).set(len(buffer))

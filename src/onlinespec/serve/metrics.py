@@ -43,6 +43,7 @@ class ServeMetrics:
         self.buffer_records = Gauge(name("buffer_records"), "Records in the draft's replay buffer", ("draft",), registry=r)
         self.buffer_bytes = Gauge(name("buffer_bytes"), "Bytes of the draft's replay buffer", ("draft",), registry=r)
         self.records = Counter(name("buffer_records_written"), "Training records written (durable)", ("draft",), registry=r)
+        self.suffix_tokens = Gauge(name("suffix_index_tokens"), "Tokens in the draft's suffix index of earlier requests", ("draft",), registry=r)
         self.record_failures = Counter(name("buffer_record_write_failures"), "Records a failed disk write skipped (serving went on)",
                                        ("draft",), registry=r)
         self.opted_out = Counter(name("requests_opted_out"), "Served requests that asked not to be trained on (nothing stored)",

@@ -18,6 +18,7 @@ adaptive k then judges each source by its own measured acceptance (``Proposal.so
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -28,10 +29,13 @@ from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
 class HybridProposer(SwappableDraft):
     def __init__(self, learned, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
-                 min_match: int = 3) -> None:
+                 min_match: int = 3, learned_k: int | None = 4) -> None:
         """``min_ngram``: the shortest prompt-lookup match that wins over the learned draft;
-        ``min_match``: the shortest suffix-index match considered (``suffix_index=None``: none)."""
-        self.learned = learned
+        ``min_match``: the shortest suffix-index match considered (``suffix_index=None``: none);
+        ``learned_k``: the most tokens the learned draft proposes a round (each costs a draft
+        step; copies cost nothing, so with the engine's ``k`` above it only they propose more).
+        ``None``: as many as the engine asks."""
+        self.learned, self.learned_k = learned, learned_k
         self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
         self.suffix_index = suffix_index
         self.name = f"hybrid(ngram:{max_ngram}{'+suffix' if suffix_index is not None else ''}+{learned.name})"
@@ -59,7 +63,9 @@ class HybridProposer(SwappableDraft):
                 free = None
             out.append(free)
         rest = [i for i, p in enumerate(out) if p is None]
-        for i, proposal in zip(rest, self.learned.propose([batch[i] for i in rest]) if rest else []):
+        cap = self.learned_k
+        asks = [batch[i] if cap is None or batch[i].k <= cap else replace(batch[i], k=cap) for i in rest]
+        for i, proposal in zip(rest, self.learned.propose(asks) if rest else []):
             out[i] = proposal
         return out
 
@@ -69,5 +75,6 @@ class HybridProposer(SwappableDraft):
         if d.adaptive is None:
             return True
         mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=True), len(proposal))
-        learned = expected_tokens(d.adaptive.source_estimates(getattr(self.learned, "source", "draft"), d.k), d.k)
+        k = d.k if self.learned_k is None else min(d.k, self.learned_k)
+        learned = expected_tokens(d.adaptive.source_estimates(getattr(self.learned, "source", "draft"), k), k)
         return mine >= learned
