@@ -7,8 +7,8 @@ learner, all under one output folder::
     buffer/<name>/                            its replay buffer
 
 A draft whose proposer has a suffix index (:mod:`onlinespec.decoding.proposers.suffix`) adds every
-served request to it (``suffix_tokens > 0``), learning or not: it costs no target call and no
-training. The index is saved atomically every ``SAVE_SECONDS`` (when it changed), on a purge and
+served request to it (``suffix_tokens > 0``), whether or not its head learns: it costs no target
+call and no training. The index is saved atomically every ``SAVE_SECONDS`` (when it changed), on a purge and
 at shutdown, and loaded again on restart.
 
 A draft is created the first time the router names it, from the starting draft, or, after a

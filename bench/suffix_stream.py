@@ -1,0 +1,253 @@
+"""A stream from a domain the packaged draft never saw, served four ways over the same requests:
+what the suffix index and the head's online updates each add (docs/online-demo.md).
+
+One run of this script serves the same ``--n`` online-split requests of ``--domain``, one at a
+time (the per-request view), through the serving core in this process:
+
+1. ``static``: the default draft kept static (n-gram lookup + the packaged head, no index);
+2. ``suffix``: the suffix index learning from every request, the head kept static (``--no-head-updates``);
+3. ``online``: both learning (the suffix index and the head's updates every ``--interval`` requests);
+4. ``target``: the target alone (the reference every greedy output must equal);
+5. then the last ``--last`` requests again: by what ``online`` learned (its final head and its
+   index, less those requests) with the learner idle, recording on (``paused``) and off
+   (``paused-norecord``), and by the static draft again (``static-again``: the machine's drift).
+
+It reports tokens/s over the last ``--last`` requests of each against ``static`` on the same
+requests (pooled tokens over pooled seconds, with a paired bootstrap 95% interval over requests),
+alpha, how many proposals each drafter made and how many the target kept, and writes a PNG::
+
+    python bench/suffix_stream.py --domain math_ml --n 300 --out docs/suffix-stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from onlinespec.data.sources import stream_pools
+from onlinespec.data.streams import abrupt_shifts
+from onlinespec.data.streams import split as split_queries
+from onlinespec.metrics import bootstrap_ratio, moving_average
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.serve.core import CoreConfig
+from onlinespec.stream import OnlineConfig, run_stream
+
+WORK = Path("runs/suffix-stream")
+
+
+def configs(interval: int) -> dict[str, CoreConfig]:
+    learner = LearnerConfig(update_interval=interval)
+    return {
+        "static": CoreConfig(learn=False),
+        "suffix": CoreConfig(learn=True, head_updates=False, router="single"),
+        "online": CoreConfig(learn=True, router="single", learner=learner),
+        "target": CoreConfig(draft="none", learn=False),
+    }
+
+
+# The last ``--last`` requests served again, after the stream (each in a process of its own):
+AGAIN = {
+    # what ``online`` learned (its final head version and its suffix index, less these requests),
+    # the learner idle but the recorder on (a learning server records every request)
+    "paused": "online's final draft, learner idle, recording on",
+    # the same draft served with nothing recorded (the head exported to a folder, the index kept)
+    "paused-norecord": "online's final draft, nothing recorded",
+    # the static draft again, right after: the machine's drift since the first pass
+    "static-again": "the static draft again",
+}
+HEAD_COPY = WORK / "online-final-head"
+
+
+def export_head() -> None:
+    """``online``'s final head version as a head folder (what ``--draft hybrid:FOLDER`` serves)."""
+    from onlinespec.api import DEFAULT_HEAD, load_head
+    from onlinespec.drafts.feature_head import FeatureHead
+    from onlinespec.models import load_model
+    from onlinespec.online.registry import DraftRegistry
+    from onlinespec.weights import load_weights
+
+    head = load_head(DEFAULT_HEAD, load_model("default"))
+    [registry] = (WORK / "online" / "drafts").iterdir()
+    load_weights(head, DraftRegistry(registry).load(), str(registry))
+    head.save(HEAD_COPY, {**FeatureHead.info(DEFAULT_HEAD), "learned_online": str(registry / DraftRegistry(registry).current())})
+
+
+def serve_last_again(queries, args, mode: str) -> None:
+    from onlinespec.decoding.proposers.suffix import SuffixIndex
+    from onlinespec.online.pool import SUFFIX_FILE
+
+    out_dir, saved = WORK / mode, WORK / f"{mode}.json"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    last = queries[len(queries) - args.last:]
+    if mode == "static-again":
+        core = CoreConfig(learn=False)
+    else:
+        shutil.copytree(WORK / "online", out_dir, ignore=shutil.ignore_patterns("LOCK", "events.jsonl", "buffer"))
+        for path in out_dir.glob(f"drafts/*/{SUFFIX_FILE}"):
+            index = SuffixIndex()
+            index.load(path)
+            for q in last:  # they would be drafted from their own answers
+                index.purge(request_id=q.id)
+            index.save(path)
+        if mode == "paused":
+            core = CoreConfig(learn=True, router="single", learner=LearnerConfig(update_interval=10**9))
+        else:
+            core = CoreConfig(draft=f"hybrid:{HEAD_COPY}", learn=True, head_updates=False, router="single")
+    result = run_stream(last, OnlineConfig(core, args.max_new_tokens, 1, 0), out_dir,
+                        on_status=lambda text: print(f"[{mode}] {text}", flush=True))
+    saved.write_text(json.dumps(result))
+
+
+def pooled(rows: list[dict]) -> float:
+    return sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+
+
+def alpha(rows: list[dict]) -> float:
+    return sum(r["accepted"] for r in rows) / max(1, sum(r["judged"] for r in rows))
+
+
+def sources(rows: list[dict]) -> dict[str, dict]:
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        for name, tally in r.get("by_source", {}).items():
+            both = out.setdefault(name, [0, 0])
+            both[0] += tally["draft_tokens"]
+            both[1] += tally["accepted_tokens"]
+    return {name: {"draft_tokens": sent, "accepted_tokens": kept, "kept": kept / sent if sent else 0.0} for name, (sent, kept) in sorted(out.items())}
+
+
+def plot(results: dict, path: Path, title: str, window: int = 25) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for name, rows in results.items():
+        x = list(range(1, len(rows) + 1))
+        top.plot(x, moving_average([r["tokens_per_s"] for r in rows], window), label=name)
+        if name != "target":
+            bottom.plot(x, moving_average([r["acceptance_rate"] for r in rows], window), label=name)
+    top.set_ylabel(f"tokens/s per request ({window}-request moving average)")
+    bottom.set_ylabel(f"alpha ({window}-request moving average)")
+    bottom.set_xlabel("request")
+    top.legend()
+    bottom.legend()
+    top.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--domain", default="math_ml")
+    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--last", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--interval", type=int, default=10, help="I: the head's update interval (requests)")
+    parser.add_argument("--only", default=None, help="comma-separated configurations to (re)run; the others are read from WORK")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
+    parser.add_argument("--out", type=Path, default=Path("docs/suffix-stream"))
+    args = parser.parse_args()
+    pool = split_queries(stream_pools([args.domain])[args.domain], "online")
+    queries = abrupt_shifts({args.domain: pool}, args.n, seed=0)
+    if args.run in AGAIN:
+        serve_last_again(queries, args, args.run)
+        return
+    if args.run == "export-head":
+        export_head()
+        return
+    if args.run:  # a serving core per process: a second engine thread's OpenMP team would slow the first's forwards 1.6x
+        name, core = args.run, configs(args.interval)[args.run]
+        out_dir, saved = WORK / name, WORK / f"{name}.json"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        began = time.time()
+        result = run_stream(queries, OnlineConfig(core, args.max_new_tokens, 1, 0), out_dir,
+                            on_status=lambda text: print(f"[{name}] {text}", flush=True))
+        result["wall_seconds"] = time.time() - began
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(result))
+        return
+    results, summaries = {}, {}
+    for name in configs(args.interval):
+        saved = WORK / f"{name}.json"
+        if not args.only or name in args.only.split(","):
+            passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
+            subprocess.run([sys.executable, __file__, *passed, "--run", name], check=True)
+        if not saved.exists():
+            print(f"{name}: not run yet (run it with --only {name})")
+            continue
+        result = json.loads(saved.read_text())
+        rows = sorted(result["requests"], key=lambda r: r["i"])
+        if any("error" in r for r in rows):
+            raise SystemExit(f"{name}: {sum('error' in r for r in rows)} requests failed; see {saved}")
+        results[name], summaries[name] = rows, result
+        print(f"{name}: {pooled(rows):.1f} tok/s, alpha {alpha(rows):.3f} ({result.get('wall_seconds', 0):.0f} s)", flush=True)
+
+    if set(results) != set(configs(args.interval)):
+        return
+    static, target = results["static"], results["target"]
+    cut = len(static) - args.last
+    table, figures = [], {}
+    for name, rows in results.items():
+        identical = sum(a.get("text_sha256") == b.get("text_sha256") for a, b in zip(rows, target))
+        last, last_static = rows[cut:], static[cut:]
+        samples = [(a["new_tokens"], a["seconds"], b["new_tokens"], b["seconds"]) for a, b in zip(last, last_static)]
+        ratio = pooled(last) / pooled(last_static)
+        low, high = bootstrap_ratio(samples) if name != "static" else (1.0, 1.0)
+        vs_target = pooled(last) / pooled(target[cut:])
+        updates = summaries[name].get("updates", [])
+        figures[name] = {"tokens_per_s_all": pooled(rows), "tokens_per_s_last": pooled(last), "alpha_all": alpha(rows),
+                         "alpha_first": alpha(rows[: args.last]), "alpha_last": alpha(last), "last_vs_static": ratio,
+                         "last_vs_static_95ci": [low, high], "last_vs_target": vs_target, "identical": identical,
+                         "sources_last": sources(last), "updates": len(updates),
+                         "published": sum(1 for u in updates if u.get("outcome") == "published")}
+        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in figures[name]["sources_last"].items()) or "-"
+        table.append(f"| {name} | {pooled(rows):.1f} | {pooled(last):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | {vs_target:.2f}x | "
+                     f"{alpha(rows[: args.last]):.3f} -> {alpha(last):.3f} | {kept} | "
+                     f"{figures[name]['published']}/{figures[name]['updates']} | {identical}/{len(rows)} |")
+    passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
+    for mode, label in AGAIN.items():
+        again_file = WORK / f"{mode}.json"
+        if (args.only and mode in args.only.split(",")) or ("online" in (args.only or "")) or not again_file.exists():
+            if mode == "paused-norecord":
+                subprocess.run([sys.executable, __file__, *passed, "--run", "export-head"], check=True)
+            subprocess.run([sys.executable, __file__, *passed, "--run", mode], check=True)
+        again = sorted(json.loads(again_file.read_text())["requests"], key=lambda r: r["i"])
+        samples = [(a["new_tokens"], a["seconds"], b["new_tokens"], b["seconds"]) for a, b in zip(again, static[cut:])]
+        low, high = bootstrap_ratio(samples)
+        ratio = pooled(again) / pooled(static[cut:])
+        identical = sum(a.get("text_sha256") == b.get("text_sha256") for a, b in zip(again, target[cut:]))
+        figures[mode] = {"tokens_per_s_last": pooled(again), "alpha_last": alpha(again), "last_vs_static": ratio,
+                         "last_vs_static_95ci": [low, high], "last_vs_target": pooled(again) / pooled(target[cut:]),
+                         "identical": identical, "sources_last": sources(again)}
+        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in sources(again).items()) or "-"
+        table.append(f"| {label} (the last {args.last} again) | - | {pooled(again):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | "
+                     f"{pooled(again) / pooled(target[cut:]):.2f}x | - -> {alpha(again):.3f} | {kept} | - | {identical}/{len(again)} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    title = f"{args.n} {args.domain} requests (online split), one at a time, {args.max_new_tokens} new tokens"
+    plot(results, args.out.with_suffix(".png"), title)
+    command = f"python bench/suffix_stream.py --domain {args.domain} --n {args.n} --last {args.last} --interval {args.interval}"
+    header = [
+        f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+        f"| configuration | tok/s, all {args.n} | tok/s, last {args.last} | last {args.last} / static (95% interval) | "
+        f"last {args.last} / target alone | alpha first {args.last} -> last {args.last} | proposals kept/sent, last {args.last} | "
+        "updates published | identical to target alone |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(header + table) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "figures": figures}, indent=1))
+    print("\n".join(header + table))
+
+
+if __name__ == "__main__":
+    main()
