@@ -597,9 +597,10 @@ def data_purge(
     request_id: Annotated[Optional[str], typer.Option(help="delete this request's training records (the id clients sent as X-Request-Id)")] = None,
     older_than_days: Annotated[Optional[float], typer.Option(min=0.0, help="delete the records older than this many days")] = None,
 ) -> None:
-    """Delete training records from every draft's replay buffer, by request or by age. A server
+    """Delete training records from every draft's replay buffer and suffix index, by request or by age. A server
     running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
     from onlinespec.online.buffer import ReplayBuffer
+    from onlinespec.online.pool import purge_saved_suffix
     from onlinespec.online.storage import OutDirBusy, OutDirLock, drop_events
 
     if (request_id is None) == (older_than_days is None):
@@ -615,14 +616,17 @@ def data_purge(
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
         folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []
         removed = {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
+        indexed = purge_saved_suffix(out_dir, request_id, before)  # the suffix indices hold their tokens too
         events = out_dir / "events.jsonl"  # its lines about them go too (with --log-text they hold text)
         drop_events(events, request_id, before)
         with open(events, "a") as log:
             log.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
-                                  "records": sum(removed.values()), "by": "onlinespec data purge", "time": time.time()}) + "\n")
+                                  "records": sum(removed.values()), "suffix_requests": indexed, "by": "onlinespec data purge",
+                                  "time": time.time()}) + "\n")
     finally:
         lock.release()
-    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'})")
+    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'}) "
+              f"and {indexed} requests from the suffix indices")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ and that drafting from it stays lossless (greedy identical, sampled output the t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 
-from test_lossless_engine import N_RUNS, NEW_TOKENS, PASS_P, PLAIN, PROMPT, empirical, exact_distribution, fit
+from test_lossless_engine import N_RUNS, NEW_TOKENS, PASS_P, PLAIN, PROMPT, SEED_BASE, exact_distribution, fit
 
 
 def test_the_longest_earlier_match_decides_then_the_most_frequent_continuation():
@@ -106,7 +107,15 @@ def test_sampling_from_the_index_matches_the_target_distribution(tiny_target, ch
     for i in range(30):  # earlier requests that began like this one and went on in many ways
         index.add(PROMPT + torch.randint(0, 6, (5,), generator=gen).tolist(), f"r{i}")
     decoder = SpeculativeDecoder(tiny_target, None, SuffixProposer(index, min_match=2), k=2)
-    counts, totals = empirical(decoder, PROMPT, N_RUNS, **PLAIN)
+    # unseeded requests (a seeded one drafts from its own text only): the process's RNG, seeded once
+    torch.manual_seed(SEED_BASE)
+    counts, totals = {}, {"accepted": 0, "rejected": 0}
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, **PLAIN)
+    for _ in range(N_RUNS):
+        out = decoder.generate(PROMPT, params)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        totals["accepted"] += out.stats.accepted
+        totals["rejected"] += out.stats.rejected
     assert totals["accepted"] > N_RUNS / 10 and totals["rejected"] > N_RUNS / 10, totals
     p_value, stat, df = fit(counts, exact, chi_square)
     assert p_value > PASS_P, (p_value, stat, df)
@@ -140,3 +149,65 @@ def test_the_hybrid_asks_the_learned_draft_for_at_most_learned_k_tokens(tiny_dra
     learned, copied = hybrid.propose([DraftInput([0, 1, 2, 3], 6, greedy, None), DraftInput([1, 2, 3, 4, 5, 1, 2], 6, greedy, None)])
     assert learned.source == "draft" and len(learned) == 2  # each learned token costs a draft step
     assert copied.source == "ngram" and copied.tokens == [3, 4, 5, 1, 2]  # copies are free: up to k
+
+
+def test_a_save_taken_before_a_purge_never_lands_after_it(tmp_path):
+    import threading
+
+    from onlinespec.online import storage
+
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4], "secret")
+    path = tmp_path / "index.safetensors"
+    write, started, release = storage.atomic_write, threading.Event(), threading.Event()
+
+    def slow_write(p, data):  # the housekeeping save, stalled between its snapshot and its write
+        started.set()
+        release.wait(5)
+        write(p, data)
+
+    import onlinespec.online.storage as module
+    module.atomic_write = slow_write
+    try:
+        housekeeping = threading.Thread(target=index.save, args=(path,))
+        housekeeping.start()
+        started.wait(5)
+        module.atomic_write = write
+        purging = threading.Thread(target=lambda: (index.purge(request_id="secret"), index.save(path)))
+        purging.start()
+        release.set()
+        housekeeping.join(5)
+        purging.join(5)
+    finally:
+        module.atomic_write = write
+    saved = SuffixIndex()
+    saved.load(path)
+    assert len(saved) == 0 and not index.dirty  # the purge's save landed last
+
+
+def test_a_seeded_sampled_request_drafts_from_its_own_text_only():
+    index = SuffixIndex()
+    index.add([10, 11, 12, 13, 14], "someone else")
+    proposer = SuffixProposer(index, min_match=2)
+    seeded = SamplingParams(temperature=0.8, seed=1)
+    [own] = proposer.propose([DraftInput([9, 11, 12], 2, seeded, None, own_text_only=True)])
+    assert own.tokens == []  # its text depends on its seed alone, never on other requests
+
+
+def test_an_index_whose_parts_disagree_or_name_no_tokenizer_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    from onlinespec.decoding.proposers.suffix import FORMAT, IdentityMismatch
+
+    path = tmp_path / "index.safetensors"
+    save_file({"tokens": np.arange(5, dtype=np.int32), "lengths": np.asarray([9]), "created_at": np.asarray([0.0])}, str(path),
+              metadata={"format": FORMAT, "tokenizer": "t", "request_ids": '["a"]'})
+    with pytest.raises(ValueError, match="do not add up"):
+        SuffixIndex().load(path)
+    unnamed = SuffixIndex()
+    unnamed.add([1, 2, 3], "a")
+    unnamed.save(path)
+    mine = SuffixIndex()
+    mine.identity = "this tokenizer"
+    with pytest.raises(IdentityMismatch):
+        mine.load(path)

@@ -56,6 +56,14 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
     saved = SuffixIndex()
     saved.load(saved_file)
     assert saved.stats()["requests"] == 2 and saved.counts["purged"] == 1
+    from typer.testing import CliRunner
+
+    from onlinespec.cli import app
+
+    done = CliRunner().invoke(app, ["data", "purge", "--out-dir", str(tmp_path / "run"), "--request-id", "q2"])
+    assert done.exit_code == 0 and "1 requests from the suffix indices" in done.output
+    saved.load(saved_file)
+    assert saved.stats()["requests"] == 1  # a stopped server's index is purged too
 
 
 def test_an_unreadable_index_is_set_aside_and_another_tokenizers_stops_start_up(tiny_target_folder, tmp_path):

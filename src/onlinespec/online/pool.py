@@ -77,6 +77,27 @@ def saved_drafts(out_dir: str | Path) -> list[str]:
     return [p.name for p in sorted(found, key=first)]
 
 
+def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> int:
+    """Purge the suffix indices a stopped server left in ``out_dir`` (``onlinespec data purge``):
+    the requests leave every saved index, and set-aside (unreadable) copies are deleted; how many
+    indexed requests went."""
+    removed = 0
+    for path in sorted((Path(out_dir) / "drafts").glob(f"*/{SUFFIX_FILE}")):
+        index = SuffixIndex(max_tokens=2**62)
+        try:
+            index.load(path)
+        except (ValueError, KeyError, SafetensorError):  # unreadable: nothing to keep of it
+            path.unlink()
+            continue
+        gone = index.purge(request_id, before)
+        if gone:
+            index.save(path)
+            removed += gone
+    for stale in (Path(out_dir) / "drafts").glob(f"*/quarantine/{SUFFIX_FILE}.*"):
+        stale.unlink(missing_ok=True)
+    return removed
+
+
 class DraftPool:
     def __init__(
         self,
@@ -101,6 +122,7 @@ class DraftPool:
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
         self.retention_seconds, self.identity = retention_seconds, identity or {}
         self.suffix_tokens = suffix_tokens
+        self.suffix_purged = 0  # indexed requests purged (by request or by age)
         self._saved_at = 0.0
         self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
@@ -235,8 +257,14 @@ class DraftPool:
             with learner._lock:
                 removed += learner.buffer.purge(request_id, before)
         for draft in list(self.drafts.values()):
-            if draft.suffix is not None and draft.suffix.purge(request_id, before):
+            if draft.suffix is None:
+                continue
+            gone = draft.suffix.purge(request_id, before)
+            if gone:
                 draft.suffix.save(draft.suffix_path)  # durable now: the purge is acknowledged
+                self.suffix_purged += gone
+            for stale in (draft.suffix_path.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"):
+                stale.unlink(missing_ok=True)  # an unreadable copy may hold the request too
         return removed
 
     def governance(self) -> dict:

@@ -692,15 +692,18 @@ class ServingCore:
         if older_than_days is not None and not older_than_days >= 0:
             raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        indexed = self.pool.suffix_purged
         removed = self.pool.purge(request_id, before)
+        indexed = self.pool.suffix_purged - indexed
         with self._events_lock:  # the event log's lines about it go too (with --log-text they hold its text)
             self._events.close()
             try:
                 drop_events(self._events_path, request_id, before)
             finally:
                 self._events = open(self._events_path, "a")
-        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed})
-        return {"records_deleted": removed, "governance": self.governance()}
+        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
+                    "suffix_requests": indexed})
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
         """An operator's action: ``pause``, ``resume``, ``update`` (start ``name``'s update now),

@@ -74,7 +74,8 @@ class HybridProposer(SwappableDraft):
         learned draft's (always, without statistics to judge by)."""
         if d.adaptive is None:
             return True
-        mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=True), len(proposal))
+        # the bins a request's own verdicts calibrate: by confidence when greedy, by step when sampled
+        mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=d.params.greedy), len(proposal))
         k = d.k if self.learned_k is None else min(d.k, self.learned_k)
         learned = expected_tokens(d.adaptive.source_estimates(getattr(self.learned, "source", "draft"), k), k)
         return mine >= learned

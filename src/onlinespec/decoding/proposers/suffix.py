@@ -86,7 +86,9 @@ class SuffixIndex:
         self.clock = clock
         self.identity = ""  # the tokenizer's fingerprint, saved with the index and checked on load
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # held from snapshot to rename: saves land in the order they were taken
         self._clear()
+        self._generation = 0  # bumped by every change; a save clears `dirty` only if none came since its snapshot
         self.dirty = False  # changed since the last save
         self.counts = {"added": 0, "evicted": 0, "expired": 0, "purged": 0}
 
@@ -130,7 +132,11 @@ class SuffixIndex:
             while self.tokens > self.max_tokens:
                 self._drop_oldest("evicted")
             self._maybe_compact()
-            self.dirty = True
+            self._changed()
+
+    def _changed(self) -> None:
+        self._generation += 1
+        self.dirty = True
 
     def _append(self, doc: np.ndarray, request_id: str, created_at: float) -> None:
         start = self._end
@@ -184,24 +190,25 @@ class SuffixIndex:
                 for s in gone:
                     del self._docs[s]
                 self.counts["purged"] += len(gone)
-                self._rebuild()
-                self.dirty = True
+                self._rebuild()  # an operator's purge: rare, and the removed tokens must leave the corpus now
+                self._changed()
             return len(gone)
 
     def expire(self, retention_seconds: float | None) -> int:
-        """Forget documents older than ``retention_seconds``."""
+        """Forget documents older than ``retention_seconds``: from the oldest end (documents are
+        kept in arrival order), as eviction does, so the housekeeping tick never rebuilds."""
         if retention_seconds is None:
             return 0
         cutoff = self.clock() - retention_seconds
         with self._lock:
-            gone = [s for s, d in self._docs.items() if d.created_at < cutoff]
-            for s in gone:
-                del self._docs[s]
+            gone = 0
+            while self._docs and next(iter(self._docs.values())).created_at < cutoff:
+                self._drop_oldest("expired")
+                gone += 1
             if gone:
-                self.counts["expired"] += len(gone)
-                self._rebuild()
-                self.dirty = True
-            return len(gone)
+                self._maybe_compact()
+                self._changed()
+            return gone
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -263,19 +270,24 @@ class SuffixIndex:
 
         from onlinespec.online.storage import atomic_write
 
-        with self._lock:
-            corpus = self._flat()
-            offset = self._end - len(corpus)
-            docs = list(self._docs.values())
-            parts = [corpus[d.start - offset: d.start - offset + d.length] for d in docs]
-            tensors = {
-                "tokens": np.concatenate(parts) if parts else np.empty(0, dtype=np.int32),
-                "lengths": np.asarray([d.length for d in docs], dtype=np.int64),
-                "created_at": np.asarray([d.created_at for d in docs], dtype=np.float64),
-            }
-            meta = {"format": FORMAT, "tokenizer": self.identity, "request_ids": json.dumps([d.request_id for d in docs]), "counts": json.dumps(self.counts)}
-            self.dirty = False
-        atomic_write(path, save(tensors, metadata=meta))
+        with self._save_lock:  # a purge's save never lands before an older snapshot's
+            with self._lock:
+                corpus = self._flat()
+                offset = self._end - len(corpus)
+                docs = list(self._docs.values())
+                parts = [corpus[d.start - offset: d.start - offset + d.length] for d in docs]
+                tensors = {
+                    "tokens": np.concatenate(parts) if parts else np.empty(0, dtype=np.int32),
+                    "lengths": np.asarray([d.length for d in docs], dtype=np.int64),
+                    "created_at": np.asarray([d.created_at for d in docs], dtype=np.float64),
+                }
+                meta = {"format": FORMAT, "tokenizer": self.identity, "request_ids": json.dumps([d.request_id for d in docs]),
+                        "counts": json.dumps(self.counts)}
+                generation = self._generation
+            atomic_write(path, save(tensors, metadata=meta))  # a failed write leaves `dirty` set: the next save retries
+            with self._lock:
+                if self._generation == generation:
+                    self.dirty = False
 
     def load(self, path: str | Path) -> None:
         """Replace the contents with a saved index (documents past ``max_tokens`` are evicted)."""
@@ -285,17 +297,19 @@ class SuffixIndex:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise ValueError(f"{path} is not a suffix index ({FORMAT}); move it away to start an empty one")
-            if meta.get("tokenizer") and self.identity and meta["tokenizer"] != self.identity:
-                raise IdentityMismatch(f"the suffix index {path} was built with another tokenizer ({meta['tokenizer']!r}, "
+            if self.identity and meta.get("tokenizer") != self.identity:
+                raise IdentityMismatch(f"the suffix index {path} was built with another tokenizer ({meta.get('tokenizer')!r}, "
                                        f"this run's is {self.identity!r}): give this run another --out-dir, or start it "
                                        "with the same target")
             tokens, lengths, created = f.get_tensor("tokens"), f.get_tensor("lengths"), f.get_tensor("created_at")
         request_ids = json.loads(meta["request_ids"])
+        if not (len(request_ids) == len(lengths) == len(created) and int(lengths.sum()) == len(tokens) and (lengths >= 0).all()):
+            raise ValueError(f"{path}: its documents do not add up (lengths, ids, times and tokens disagree)")
         with self._lock:
             self._clear()
             at = 0
             for length, request_id, when in zip(lengths.tolist(), request_ids, created.tolist()):
-                self._append(tokens[at: at + length], request_id, when)
+                self._append(tokens[at: at + length][-self.max_tokens:], request_id, when)
                 at += length
             self.counts.update(json.loads(meta.get("counts", "{}")))
             while self.tokens > self.max_tokens:
@@ -325,7 +339,7 @@ def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int,
     copied = lookup(np.asarray(d.ids), d.k, max_ngram, min_ngram)
     if copied:
         return Proposal(tokens=copied, source="ngram")
-    if index is not None:
+    if index is not None and not d.own_text_only:
         found = index.match(d.ids, d.k)
         if found is not None and found.match_length >= min_match:
             return Proposal(tokens=found.tokens, confidences=found.confidences, source="suffix")
