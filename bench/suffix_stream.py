@@ -39,6 +39,7 @@ from onlinespec.metrics import bootstrap_ratio, moving_average
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.serve.core import CoreConfig
 from onlinespec.stream import OnlineConfig, run_stream
+from onlinespec.stream import pooled_alpha as alpha
 
 WORK = Path("runs/suffix-stream")
 
@@ -108,10 +109,6 @@ def serve_last_again(queries, args, mode: str) -> None:
 
 def pooled(rows: list[dict]) -> float:
     return sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
-
-
-def alpha(rows: list[dict]) -> float:
-    return sum(r["accepted"] for r in rows) / max(1, sum(r["judged"] for r in rows))
 
 
 def sources(rows: list[dict]) -> dict[str, dict]:

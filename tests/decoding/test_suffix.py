@@ -190,7 +190,7 @@ def test_a_seeded_sampled_request_drafts_from_its_own_text_only():
     index.add([10, 11, 12, 13, 14], "someone else")
     proposer = SuffixProposer(index, min_match=2)
     seeded = SamplingParams(temperature=0.8, seed=1)
-    [own] = proposer.propose([DraftInput([9, 11, 12], 2, seeded, None, own_text_only=True)])
+    [own] = proposer.propose([DraftInput([9, 11, 12], 2, seeded, None)])
     assert own.tokens == []  # its text depends on its seed alone, never on other requests
 
 

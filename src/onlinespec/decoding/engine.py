@@ -214,8 +214,7 @@ class SpeculativeEngine:
         for members in groups.values():
             proposer = rows[members[0]].proposer
             inputs = [DraftInput(rows[i].ids, asks[i], rows[i].params, rows[i].generator, rows[i].draft_state,
-                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive,
-                                 own_text_only=rows[i].fixed_k)
+                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive)
                       for i in members]
             tick = time.perf_counter()
             for i, proposal in zip(members, proposer.propose(inputs)):

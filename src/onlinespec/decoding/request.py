@@ -204,4 +204,4 @@ class RequestState:
     def fixed_k(self) -> bool:
         """A seeded sampled request drafts and verifies the same number of proposals whatever
         else is in the batch: its random draws, and so its text, depend on its seed alone."""
-        return not self.params.greedy and self.params.seed is not None
+        return self.params.reproducible

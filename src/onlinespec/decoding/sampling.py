@@ -47,6 +47,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling: the request's text must depend on its seed alone (so it drafts and
+        verifies the same whatever else is batched, and drafts from its own text only)."""
+        return not self.greedy and self.seed is not None
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits ``[..., V]`` into the sampling distribution: temperature, then top-k, then top-p.

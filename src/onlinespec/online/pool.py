@@ -93,9 +93,17 @@ def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, befor
         if gone:
             index.save(path)
             removed += gone
-    for stale in (Path(out_dir) / "drafts").glob(f"*/quarantine/{SUFFIX_FILE}.*"):
-        stale.unlink(missing_ok=True)
+    for folder in (Path(out_dir) / "drafts").glob("*"):
+        _delete_set_aside(folder)
     return removed
+
+
+def _delete_set_aside(folder: Path, before: float | None = None) -> None:
+    """Delete the unreadable suffix indices set aside in a draft's folder (they may hold
+    requests): all of them, or those last written before ``before``."""
+    for stale in (folder / "quarantine").glob(f"{SUFFIX_FILE}.*"):
+        if before is None or stale.stat().st_mtime < before:
+            stale.unlink(missing_ok=True)
 
 
 class DraftPool:
@@ -181,15 +189,6 @@ class DraftPool:
                 log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", draft.name, err, quarantine)
         self.on_event({"event": "suffix_index", "draft": draft.name, **index.stats()})
 
-    def _expire_quarantined_suffix(self, draft: Draft) -> None:
-        """An unreadable index moved aside holds requests too: it goes with retention."""
-        if self.retention_seconds is None:
-            return
-        cutoff = time.time() - self.retention_seconds
-        for stale in (draft.suffix_path.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"):
-            if stale.stat().st_mtime < cutoff:
-                stale.unlink(missing_ok=True)
-
     def save_suffix(self, force: bool = False) -> None:
         """Save every changed suffix index (at most every SAVE_SECONDS unless ``force``)."""
         now = time.monotonic()
@@ -238,9 +237,14 @@ class DraftPool:
         """Housekeeping, every second or so (the core's housekeeping thread): expire records
         past retention, serve the version another process made CURRENT, save suffix indices."""
         for draft in list(self.drafts.values()):
-            if draft.suffix is not None:
+            if draft.suffix is None:
+                continue
+            try:
                 draft.suffix.expire(self.retention_seconds)
-                self._expire_quarantined_suffix(draft)
+                if self.retention_seconds is not None:  # set-aside copies go with retention too
+                    _delete_set_aside(draft.suffix_path.parent, time.time() - self.retention_seconds)
+            except Exception:  # one draft's trouble never stops the others' housekeeping
+                log.exception("housekeeping of draft %s's suffix index failed; serving goes on", draft.name)
         self.save_suffix()
         for learner in self.learners:
             try:
@@ -263,8 +267,7 @@ class DraftPool:
             if gone:
                 draft.suffix.save(draft.suffix_path)  # durable now: the purge is acknowledged
                 self.suffix_purged += gone
-            for stale in (draft.suffix_path.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"):
-                stale.unlink(missing_ok=True)  # an unreadable copy may hold the request too
+            _delete_set_aside(draft.suffix_path.parent)
         return removed
 
     def governance(self) -> dict:

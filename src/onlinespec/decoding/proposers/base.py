@@ -51,9 +51,6 @@ class DraftInput:
     # The request's draft acceptance statistics (an AdaptiveK; None: fixed k): a proposer that
     # can draft several ways may pick, per round, the one expected to be accepted furthest.
     adaptive: Any = None
-    # A seeded sampled request: draft from its own text only (never from other requests, e.g. the
-    # suffix index), so that its random draws, and so its text, depend on its seed alone.
-    own_text_only: bool = False
 
 
 class Proposer(Protocol):
