@@ -20,6 +20,7 @@ from rich.table import Table
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
 from onlinespec.benchmark import BenchConfig
+from onlinespec.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.serve.app import ServerSettings
@@ -219,8 +220,13 @@ CORE_OPTIONS: dict[str, tuple] = {
     "priority": (Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")], LearnerConfig.priority),
     "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
-    "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft")], CoreConfig.router),
-    "max_drafts": (Annotated[int, typer.Option(min=1, help="domains beyond this many share one draft")], CoreConfig.max_drafts),
+    "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "
+                                               "'content': drafts for clusters of prompts, no labels needed (docs/routing.md)")], CoreConfig.router),
+    "max_drafts": (Annotated[int, typer.Option(min=1, help="domain router: domains beyond this many share one draft; content router: drafts kept in memory")], CoreConfig.max_drafts),
+    "cluster_threshold": (Annotated[float, typer.Option(min=0.001, max=1.99, help="content router: a prompt farther than this cosine distance from every cluster is unlike them")], ContentConfig.threshold),
+    "merge_threshold": (Annotated[float, typer.Option(min=0.001, max=1.99, help="content router: clusters whose centroids come this close merge")], ContentConfig.merge_threshold),
+    "drift_distance_lambda": (Annotated[float, typer.Option(min=0.001, help="content router: Page-Hinkley threshold on new prompts' distance to the clusters")], ContentConfig.distance_lambda),
+    "drift_alpha_lambda": (Annotated[float, typer.Option(min=0.001, help="content router: Page-Hinkley threshold on a cluster's served alpha falling")], ContentConfig.alpha_lambda),
     "adaptive_k": (Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-step k from the cost model, or always k")], CoreConfig.adaptive_k),
     "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
     "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
@@ -245,7 +251,9 @@ def _core_config(o: dict) -> CoreConfig:
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
-    return CoreConfig(**plain, learner=learner)
+    content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
+                            distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
+    return CoreConfig(**plain, learner=learner, content=content)
 
 
 def with_core_options(command):
@@ -454,6 +462,24 @@ def report(
     console.print(f"wrote {path}")
 
 
+@app.command("routing-report")
+def routing_report_command(
+    out_dir: Annotated[Path, typer.Option(help="the out-dir of a server started with --router content (its events.jsonl)")] = Path("runs/serve"),
+    png: Annotated[Optional[Path], typer.Option(help="where the plot goes (default: OUT_DIR/routing.png)")] = None,
+) -> None:
+    """Content routing over a run: each request's cluster and the draft that served it, alpha,
+    detections, spawned, evicted and reloaded drafts and merges (a PNG), and the drafts' state."""
+    from onlinespec.online.report import routing_report
+
+    path = png or out_dir / "routing.png"
+    if not (out_dir / "events.jsonl").exists():
+        console.print(f"[red]error:[/red] {out_dir} has no events.jsonl: give the --out-dir a server wrote")
+        raise typer.Exit(2)
+    counts = _user_errors(lambda: routing_report(out_dir, path))
+    console.print(f"wrote {path}: {counts}")
+    _routing_table(out_dir)
+
+
 @app.command()
 def costmodel(
     alpha: Annotated[float, typer.Option(min=0.0, max=1.0)],
@@ -509,6 +535,29 @@ def drafts_list(directory: RegistryOpt = Path("runs/online/drafts"), draft: Draf
             table.add_row(label, *(fmt(meta.get(k)) for k in ("parent", "records_seen", "loss_before", "loss_after", "alpha_before", "alpha_after", "note")))
         out.print(table)
         out.print(f"serving: {current or '-'} (* above)")
+    _routing_table(directory.parent)
+
+
+def _routing_table(out_dir: Path) -> None:
+    """Content routing's lifecycle and clusters, as the server last saved them (``routing.json``)."""
+    from onlinespec.online.pool import ROUTING_FILE
+
+    path = out_dir / ROUTING_FILE
+    if not path.exists():
+        return
+    state = json.loads(path.read_text())
+    table = Table(title=f"content routing ({path}): {state['router']['requests']} requests routed")
+    for col in ("draft", "state", "clusters (members)"):
+        table.add_column(col)
+    clusters = [c for c in state["router"]["clusters"] if c["live"]]
+    names = [*state.get("in_memory", []), *state.get("evicted", []), *state.get("retired", {})]
+    for name in dict.fromkeys(names):
+        where = ("retired: " + state["retired"][name]) if name in state.get("retired", {}) else (
+            "evicted (in its registry)" if name in state.get("evicted", []) else "in memory")
+        served = ", ".join(f"{c['id']} ({c['members']})" for c in clusters if c["draft"] == name) or "-"
+        table.add_row(name, where, served)
+    out.print(table)
+    out.print(f"lifecycle: {state.get('lifecycle', {})}; detections: {state.get('detections', {})}")
 
 
 @drafts_app.command("rollback")

@@ -8,7 +8,10 @@ stream file or an API caller states it) to a draft name:
 - ``single``: every request to one shared draft (the paper's main setting);
 - ``domain``: one draft per domain, created the first time the domain is seen and started from
   the starting draft; once ``max_drafts`` domains have their own, the rest share one draft, so a
-  stream with thousands of domain labels cannot exhaust memory.
+  stream with thousands of domain labels cannot exhaust memory;
+- ``content``: no label needed: requests are clustered by what the target computed for their
+  prompt, and each cluster is served by the draft that scores best on it
+  (:mod:`onlinespec.content`, docs/routing.md).
 
 Draft names are folder names on disk (registry and buffer), so a domain label is kept to a safe
 set of characters; ``static`` and ``none`` name the server's baselines (the starting draft kept
@@ -22,7 +25,7 @@ from collections.abc import Iterable
 
 SHARED = "shared"
 RESERVED = ("static", "none")  # the server's baseline drafts
-ROUTERS = ("single", "domain")
+ROUTERS = ("single", "domain", "content")
 MAX_DRAFTS = 8  # default: domains beyond this many share one draft
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -45,7 +48,7 @@ class Router:
         self._own: list[str] = [name for name in known if name != SHARED][:max_drafts]  # drafts a restart finds on disk
 
     def __call__(self, domain: str) -> str:
-        if self.policy == "single":
+        if self.policy != "domain":  # content routing is the pool's (onlinespec.content): a label is only a hint
             return SHARED
         name = draft_name(domain)
         if name in self._own:

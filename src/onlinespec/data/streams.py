@@ -6,7 +6,8 @@ shrink, and the warm-up, online and held-out splits never overlap.
 Streams:
 - :func:`abrupt_shifts`: domain A for ``every`` records, then B, then C ... (Figure 4);
 - :func:`gradual_mix`: the share of the next domain rises linearly across each transition;
-- :func:`random_mix`: domains drawn independently with given weights.
+- :func:`random_mix`: domains drawn independently with given weights;
+- :func:`segments`: domains in a given order, a domain may come back (code -> maths -> chat -> code).
 A single-domain stream is ``abrupt_shifts({d: pool}, every=n)``.
 """
 
@@ -49,6 +50,18 @@ def abrupt_shifts(pools: Mapping[str, Sequence[Query]], every: int | Mapping[str
     for domain, pool in pools.items():
         stream += _draw(pool, every if isinstance(every, int) else every[domain], rng, domain)
     return stream
+
+
+def segments(pools: Mapping[str, Sequence[Query]], order: Sequence[tuple[str, int]], seed: int = 0) -> list[Query]:
+    """``n`` queries of each ``(domain, n)`` of ``order`` in turn; a domain that comes back
+    continues its shuffled pool (no query is served twice)."""
+    rng = random.Random(seed)
+    needed: dict[str, int] = {}
+    for domain, n in order:
+        needed[domain] = needed.get(domain, 0) + n
+    shuffled = {d: _draw(pools[d], n, rng, d) for d, n in needed.items()}
+    cursor = dict.fromkeys(needed, 0)
+    return [_next(shuffled, cursor, domain) for domain, n in order for _ in range(n)]
 
 
 def gradual_mix(pools: Mapping[str, Sequence[Query]], every: int, seed: int = 0) -> list[Query]:

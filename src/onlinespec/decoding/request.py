@@ -186,6 +186,8 @@ class RequestState:
     prefill_cache: DynamicCache | None = None  # the request's own cache until it joins the batch
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
+    embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)
+    prompt_embedding: torch.Tensor | None = None  # [H], once the prompt is prefilled (see add_prompt_states)
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_ids)
@@ -199,6 +201,14 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.stop.finish_reason is not None
+
+    def add_prompt_states(self, states: torch.Tensor, last: bool) -> None:
+        """The target's post-norm hidden states of a prefill chunk ([n, H], computed anyway); at the
+        ``last`` chunk the prompt's embedding is set: the unit state at its final position (for a
+        chat prompt, the assistant header: the target's summary of the whole prompt before it
+        answers; docs/routing.md compares it with the prompt's mean state)."""
+        if self.embed and last and len(states):
+            self.prompt_embedding = torch.nn.functional.normalize(states[-1].float(), dim=0)
 
     @property
     def fixed_k(self) -> bool:

@@ -187,8 +187,15 @@ class OnlineLearner:
         counted, and serving goes on."""
         if not train:
             return False
+        return self.observe_records(self.records(generation, domain, request_id), len(generation.token_ids), start)
+
+    def records(self, generation: Generation, domain: str = "default", request_id: str = "") -> list:
+        """A served request's training records, by this learner's position policy and source."""
         config = self.config
-        records = records_from_generation(generation, config.position_policy, config.source, domain, request_id)
+        return records_from_generation(generation, config.position_policy, config.source, domain, request_id)
+
+    def observe_records(self, records: list, new_tokens: int, start: bool = True) -> bool:
+        """Store a served request's records (:meth:`records`) and count it: see :meth:`observe`."""
         stored = True
         with self._lock:
             for record in records:
@@ -198,10 +205,10 @@ class OnlineLearner:
                     stored = False
                     self.write_failures += 1
                     log.error("draft %s: a record of request %s was not stored (%s); serving goes on",
-                              self.registry.directory.name, request_id, err)
+                              self.registry.directory.name, record.request_id, err)
             self._records_seen += len(records)
             unit = self.config.interval_unit
-            self._count += {"requests": 1, "records": len(records), "tokens": len(generation.token_ids)}[unit]
+            self._count += {"requests": 1, "records": len(records), "tokens": new_tokens}[unit]
         if self.due and self.due_since is None:
             self.due_since = time.monotonic()
         if start:
@@ -212,6 +219,14 @@ class OnlineLearner:
     def due(self) -> bool:
         """I units have been served since the last update started (never once the learner stopped)."""
         return self.stopped is None and self._count >= self.config.update_interval
+
+    def hurry(self) -> None:
+        """Make the next update due now instead of after I units (a detected drift); it starts
+        at the next request, as soon as the shared slot is free."""
+        with self._lock:
+            self._count = max(self._count, self.config.update_interval)
+        if self.due and self.due_since is None:
+            self.due_since = time.monotonic()
 
     def maybe_update(self) -> bool:
         """Start the update that is due, if this learner and the shared slot are free (serving thread)."""

@@ -29,7 +29,10 @@ retention, purged, quarantined, versions pruned.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import queue
 import shutil
 import threading
 import time
@@ -37,21 +40,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
+
+from onlinespec.content import STATIC, ContentConfig, ContentRouter
 
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
 from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
+from onlinespec.online.learnable import learnable
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.routing import SHARED, Router
+from onlinespec.online.storage import atomic_write
+from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
 
 log = logging.getLogger("onlinespec.pool")
 
 SAVE_SECONDS = 10.0  # a changed suffix index is saved at most this often (and on purge and shutdown)
 SUFFIX_FILE = "suffix-index.safetensors"
+ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
 
 
 @dataclass
@@ -62,10 +71,23 @@ class Draft:
     learner: OnlineLearner | None
     suffix: SuffixIndex | None = None  # learns from every request it serves (None: no index, or not learning)
     suffix_path: Path | None = None
+    in_flight: int = 0  # content routing: requests it serves or records now (a draft in use is never evicted)
+    last_used: int = 0  # content routing: the router's request count when it last served or recorded
 
     @property
     def version(self) -> str | None:
         return getattr(self.proposer, "version", None)
+
+
+@dataclass
+class Route:
+    """Content routing's answer for one request."""
+
+    serve: Draft  # whose proposer drafts for it (the cluster's best-scoring draft, or the static floor)
+    home: Draft  # whose buffer and learner record it (its cluster's draft)
+    cluster: int  # the cluster it was served as
+    member_of: int  # the cluster its prompt joined: what its scores and alpha update
+    request: int = 0  # its number in the router's count (scores are kept by it)
 
 
 def saved_drafts(out_dir: str | Path) -> list[str]:
@@ -120,11 +142,15 @@ class DraftPool:
         retention_seconds: float | None = None,
         identity: dict | None = None,
         suffix_tokens: int = 0,
+        content: ContentConfig | None = None,
+        max_in_memory: int = MAX_DRAFTS,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
         (target, draft spec, tokenizer fingerprint) is stored with every record and version.
-        ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing)."""
+        ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing).
+        ``content``: route by content (:mod:`onlinespec.content`; needs ``learner``), with at
+        most ``max_in_memory`` drafts in memory (the idlest others wait in their registries)."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
@@ -139,6 +165,9 @@ class DraftPool:
         self._slot = threading.Semaphore(1)
         self._lock = threading.RLock()
         self.paused = False  # learning paused: requests are still recorded, no update starts
+        self.content: ContentRouter | None = None
+        if content is not None:
+            self._start_content(content, max_in_memory)
 
     def route(self, domain: str) -> Draft:
         """The draft that serves a request of ``domain`` (created on first use)."""
@@ -148,8 +177,13 @@ class DraftPool:
                 self.drafts[name] = self._create(name)
             return self.drafts[name]
 
-    def _create(self, name: str) -> Draft:
+    def _create(self, name: str, start_from: torch.nn.Module | None = None) -> Draft:
+        """A draft called ``name``: from its registry's current version if it has one, else from
+        ``start_from`` (a model to copy) or the starting draft."""
         proposer, adaptive = self.new_draft()
+        if start_from is not None and not (self.out_dir / "drafts" / name / "CURRENT").exists():
+            proposer.swap_model(learnable(start_from).copy(start_from), proposer.version)
+            proposer.take_swap()
         learner = None
         model_free = getattr(proposer, "suffix_index", None) is not None and not hasattr(proposer, "swap_model")
         if self.learner_config is not None and not model_free:  # a suffix proposer learns through its index alone
@@ -202,10 +236,13 @@ class DraftPool:
                 except OSError as err:  # a full disk: serving goes on, the index stays in memory
                     log.error("draft %s: its suffix index could not be saved: %s", draft.name, err)
 
-    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True) -> bool:
+    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True,
+                route: Route | None = None) -> bool:
         """Record a served request with its draft's learner (durable when this returns; whether
         every record was stored); then, if the slot is free, start the update that has waited
-        longest for it (first due, first served: none waits for ever)."""
+        longest for it (first due, first served: none waits for ever). ``route``: the request was
+        routed by content (``draft`` is its home): its records are scored for every draft, and
+        its alpha feeds its cluster's drift detector."""
         if draft.learner is None and draft.suffix is None:
             return False
         if not train:
@@ -215,7 +252,12 @@ class DraftPool:
             draft.suffix.add(generation.prompt_ids + generation.token_ids, request_id)
         if draft.learner is None:
             return False
-        stored = draft.learner.observe(generation, domain, request_id, train, start=False)
+        if route is None:
+            stored = draft.learner.observe(generation, domain, request_id, train, start=False)
+        else:  # records are judged by cluster (the gate holds out each cluster's newest) and scored for every draft
+            records = draft.learner.records(generation, f"c{route.cluster}", request_id)
+            stored = draft.learner.observe_records(records, len(generation.token_ids), start=False)
+            self._observed(route, records, generation.stats.acceptance_rate, generation.stats.accepted + generation.stats.rejected)
         with self._lock:
             self._start_next()
         return stored
@@ -226,6 +268,18 @@ class DraftPool:
         request); their names."""
         if self.learner_config is None and self.suffix_tokens <= 0:
             return []
+        if self.content is not None:  # the drafts in memory when it stopped; the others wait in their registries
+            with self._lock:
+                state = json.loads((self.out_dir / ROUTING_FILE).read_text()) if (self.out_dir / ROUTING_FILE).exists() else {}
+                for name in saved_drafts(self.out_dir):
+                    if name in self.retired:
+                        continue
+                    if name in state.get("in_memory", []) and len(self.drafts) < self.max_in_memory:
+                        self.drafts[name] = self._create(name)
+                    else:
+                        DraftRegistry(self.out_dir / "drafts" / name).check_identity(self.identity)
+                        self.evicted.add(name)
+                return list(self.drafts)
         serves = {SHARED} if self.router.policy == "single" else {*self.router.drafts, SHARED}
         with self._lock:
             for name in saved_drafts(self.out_dir):
@@ -246,6 +300,14 @@ class DraftPool:
             except Exception:  # one draft's trouble never stops the others' housekeeping
                 log.exception("housekeeping of draft %s's suffix index failed; serving goes on", draft.name)
         self.save_suffix()
+        if self.content is not None:
+            try:
+                with self._lock:  # a draft loaded past --max-drafts while the others were busy goes once one is idle
+                    while len(self.drafts) > self.max_in_memory and self._evict_idlest():
+                        pass
+                self.save_routing()
+            except Exception:  # never stops the housekeeping
+                log.exception("content routing's housekeeping failed; serving goes on")
         for learner in self.learners:
             try:
                 with learner._lock:
@@ -291,6 +353,230 @@ class DraftPool:
     def _start_next(self) -> bool:
         waiting = [learner for learner in self.learners if learner.due]
         return not self.paused and bool(waiting) and min(waiting, key=lambda learner: learner.due_since).maybe_update()
+
+    # ---- content routing (onlinespec.content) -----------------------------------------------------
+
+    def _start_content(self, config: ContentConfig, max_in_memory: int) -> None:
+        if self.learner_config is None:
+            raise ValueError("content routing needs learning drafts: it scores and trains them on the traffic it routes")
+        if max_in_memory < 1:
+            raise ValueError(f"max_in_memory must be >= 1, got {max_in_memory}")
+        self.max_in_memory = max_in_memory
+        self.evicted: set[str] = set()
+        self.retired: dict[str, str] = {}  # draft -> why (merged into another)
+        self.lifecycle = dict.fromkeys(("spawned", "evicted", "reloaded", "retired"), 0)
+        self.detections: dict[str, int] = {}
+        saved = self.out_dir / ROUTING_FILE
+        if saved.exists():
+            state = json.loads(saved.read_text())
+            self.content = ContentRouter.from_state(state["router"], config)
+            self.evicted, self.retired = set(state.get("evicted", [])), dict(state.get("retired", {}))
+            self.lifecycle.update(state.get("lifecycle", {}))
+            self.detections.update(state.get("detections", {}))
+        else:
+            self.content = ContentRouter(config)
+        proposer, adaptive = self.new_draft()
+        self.static = Draft(STATIC, proposer, adaptive, None)  # the floor: scored on every request, never trained
+        self._routing_dirty, self._routing_saved_at = False, 0.0
+        self._last_home: str | None = None
+        self._scores: queue.SimpleQueue = queue.SimpleQueue()
+        self._scorer = threading.Thread(target=self._score_loop, name="onlinespec-scorer", daemon=True)
+        self._scorer.start()
+
+    def provisional(self, load: bool = True) -> Draft | None:
+        """The draft a request starts with until its prompt is prefilled and routed (its first
+        round drafts nothing from a head: no target feature yet): the last routed request's.
+        ``load=False``: only one already in memory (None if it would have to be loaded: model
+        work, for the engine thread)."""
+        with self._lock:
+            name = self._last_home or next((k.draft for k in self.content.clusters.values() if k.live and k.draft), None)
+            name = name if name and name not in self.retired else f"c{self.content.next_id}"
+            return self._loaded(name) if load else self.drafts.get(name)
+
+    def route_content(self, embedding: torch.Tensor, hint: str | None = None) -> Route:
+        """Route a prefilled request (engine thread): its cluster, the draft that records it, and
+        the draft that serves it; spawns, reloads and evicts drafts as the router decides."""
+        with self._lock:
+            content = self.content
+            assignment = content.assign(embedding, hint)
+            self._apply_events()
+            cluster = content.cluster(assignment.cluster)
+            if cluster.draft is None or cluster.draft in self.retired:
+                self._give_draft(cluster)
+            home = self._loaded(cluster.draft)
+            available = {n for n, d in self.drafts.items() if d.learner is not None} | {STATIC}
+            name = content.choose(cluster.id, available) or home.name
+            self._apply_events()
+            serve = self.static if name == STATIC else self.drafts.get(name, home)
+            for draft in {id(home): home, id(serve): serve}.values():
+                draft.in_flight += 1
+                draft.last_used = content.requests
+            self._last_home, self._routing_dirty = home.name, True
+            return Route(serve, home, cluster.id, content._alias(assignment.member_of), assignment.request)
+
+    def release(self, route: Route) -> None:
+        """A routed request ended (answered, failed or cancelled)."""
+        with self._lock:
+            for draft in {id(route.home): route.home, id(route.serve): route.serve}.values():
+                draft.in_flight = max(0, draft.in_flight - 1)
+
+    def _loaded(self, name: str) -> Draft:
+        """The draft called ``name``, in memory (reloaded from its registry if it was evicted)."""
+        draft = self.drafts.get(name)
+        if draft is None:
+            self._make_room(keep=name)
+            draft = self.drafts[name] = self._create(name)
+            if name in self.evicted:
+                self.evicted.discard(name)
+                self._lifecycle("reloaded", name)
+        return draft
+
+    def _give_draft(self, cluster) -> None:
+        """A live cluster without a draft of its own gets one, spawned from the draft that scores
+        best on its requests (the starting draft when nothing scored it yet)."""
+        parent = cluster.parent or self.content.best(cluster, learned_only=True)
+        parent = parent if parent in self.drafts or parent in self.evicted else None  # static: the starting draft
+        name = f"c{cluster.id}"
+        label = cluster.label()
+        if label:
+            name = f"c{cluster.id}-{draft_name(label)}"[:63]
+        if name not in self.drafts:  # (the first cluster's draft may exist already: the first request's provisional one)
+            start = self._loaded(parent).proposer.model if parent else None
+            self._make_room(keep=name)
+            self.drafts[name] = self._create(name, start_from=start)
+        cluster.draft = name
+        self.content.inherit(name, parent)
+        self._lifecycle("spawned", name, cluster=cluster.id, parent=parent or "starting draft")
+
+    def _make_room(self, keep: str) -> None:
+        """Evict the least recently used idle drafts until one more fits in memory."""
+        while len(self.drafts) >= self.max_in_memory:
+            idle = [d for n, d in self.drafts.items() if n != keep and d.in_flight == 0 and not (d.learner and d.learner.busy)]
+            if not idle:  # serving or updating: housekeeping evicts when one is idle again (tick)
+                log.info("%d drafts are in use or updating: one more is loaded beyond --max-drafts %d for now",
+                         len(self.drafts), self.max_in_memory)
+                return
+            self._evict(min(idle, key=lambda d: d.last_used).name)
+
+    def _evict_idlest(self) -> bool:
+        idle = [d for d in self.drafts.values() if d.in_flight == 0 and not (d.learner and d.learner.busy)
+                and d.name != self._last_home]
+        if idle:
+            self._evict(min(idle, key=lambda d: d.last_used).name)
+        return bool(idle)
+
+    def _evict(self, name: str, why: str = "evicted") -> None:
+        """Take a draft out of memory: its registry and buffer stay on disk; it is reloaded
+        from them when its cluster comes back."""
+        draft = self.drafts.pop(name)
+        if draft.learner is not None:
+            draft.learner.stop(timeout=60)
+        if draft.suffix is not None:
+            try:
+                draft.suffix.save(draft.suffix_path)
+            except OSError as err:
+                log.error("draft %s: its suffix index could not be saved on eviction: %s", name, err)
+        if why == "evicted":
+            self.evicted.add(name)
+            self._lifecycle("evicted", name)
+
+    def _lifecycle(self, action: str, name: str, **more) -> None:
+        self.lifecycle[action] += 1
+        self._routing_dirty = True
+        self.on_event({"event": "draft_" + action, "draft": name, "in_memory": sorted(self.drafts), **more})
+
+    def _apply_events(self) -> None:
+        """Carry out what the router decided, and log it."""
+        content = self.content
+        events, content.events = content.events, []
+        for event in events:
+            kind = event["event"]
+            if kind == "drift":
+                key = event["kind"]
+                self.detections[key] = self.detections.get(key, 0) + 1
+                target = event.get("hurry") or (event.get("draft") if key == "alpha" else None)
+                if target in self.drafts and self.drafts[target].learner is not None:
+                    self.drafts[target].learner.hurry()
+                if key == "alpha" and event.get("shared"):  # a draft of its own, from the best scoring one
+                    cluster = content.cluster(event["cluster"])
+                    if cluster is not None:
+                        cluster.draft = None
+            elif kind == "cluster" and event.get("why") != "first":
+                self.detections["new_cluster"] = self.detections.get("new_cluster", 0) + 1
+            elif kind == "merge" and event.get("retired"):
+                retired = event["retired"]
+                self.retired[retired] = f"merged into {event['draft']} (cluster {event['merged']} joined {event['cluster']})"
+                content.forget(retired)
+                if retired in self.drafts and self.drafts[retired].in_flight == 0:
+                    self._evict(retired, why="retired")
+                self.evicted.discard(retired)
+                self.lifecycle["retired"] += 1
+            self._routing_dirty = True
+            self.on_event({**event, "routed": content.requests})
+
+    def _observed(self, route: Route, records: list, alpha: float, judged: int = 1) -> None:
+        """After a routed request's records are stored (recorder thread): its alpha feeds its
+        cluster's detector; its records wait for the scorer."""
+        with self._lock:
+            if judged:  # a request with nothing judged says nothing about alpha
+                self.content.served(route.member_of, alpha)
+            self._apply_events()
+        if records:
+            self._scores.put((route.member_of, route.request, records))
+
+    def _score_loop(self) -> None:
+        """Full-information scoring, in the background (one torch thread, the lowest priority):
+        every draft in memory and the static one, on each recorded request's verified positions."""
+        torch.set_num_threads(1)
+        if hasattr(os, "setpriority"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+        distill = self.learner_config.distill
+        while (job := self._scores.get()) is not None:
+            cluster, request, records = job
+            try:
+                with self._lock:
+                    models = {STATIC: self.static.proposer.model, **{n: d.proposer.model for n, d in self.drafts.items()
+                                                                    if d.learner is not None}}
+                with torch.inference_mode():
+                    alphas = {n: learnable(m).metrics(m, records, distill)["alpha"] for n, m in models.items()}
+                with self._lock:
+                    self.content.score(cluster, alphas, request)
+                    self._routing_dirty = True
+            except Exception:  # scoring is advice: serving and learning go on without it
+                log.exception("scoring a request for content routing failed")
+
+    def save_routing(self, force: bool = False) -> None:
+        """Save the router's state (atomically; at most every SAVE_SECONDS unless ``force``)."""
+        if self.content is None or not (self._routing_dirty or force):
+            return
+        now = time.monotonic()
+        if not force and now - self._routing_saved_at < SAVE_SECONDS:
+            return
+        with self._lock:
+            state = {"router": self.content.state(), "evicted": sorted(self.evicted), "retired": self.retired,
+                     "lifecycle": self.lifecycle, "detections": self.detections, "in_memory": sorted(self.drafts)}
+            self._routing_dirty, self._routing_saved_at = False, now
+        try:
+            atomic_write(self.out_dir / ROUTING_FILE, json.dumps(state))
+        except OSError as err:
+            log.error("the content router's state could not be saved: %s", err)
+
+    def stop_scoring(self) -> None:
+        if self.content is not None:
+            self._scores.put(None)
+            self._scorer.join(60)
+
+    def routing(self) -> dict:
+        """Content routing's state for operators (clusters, lifecycle, detections)."""
+        if self.content is None:
+            return {}
+        with self._lock:
+            return {"clusters": self.content.summary(), "in_memory": sorted(self.drafts), "evicted": sorted(self.evicted),
+                    "retired": dict(self.retired), "lifecycle": dict(self.lifecycle), "detections": dict(self.detections),
+                    "requests": self.content.requests}
 
     # ---- operators ------------------------------------------------------------------------
 

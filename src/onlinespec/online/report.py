@@ -140,3 +140,70 @@ def comparison_lines(label: str, comparison: dict | None) -> list[str]:
                      f"median per request ({onoff['requests_with_learner_busy']} of {comparison['n_requests']} "
                      f"served while an update ran).")
     return lines
+
+
+# ---- content routing (``onlinespec routing-report``) ----------------------------------------------------
+
+ROUTER_MARKS = {"drift": ("red", "detection"), "cluster_returned": ("orange", "cluster returned"),
+                "draft_spawned": ("green", "draft spawned"), "draft_evicted": ("grey", "draft evicted"),
+                "draft_reloaded": ("blue", "draft reloaded"), "merge": ("purple", "clusters merged")}
+
+
+def routing_events(out_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(served requests in the order they ended, router events) from a server's ``events.jsonl``."""
+    import json
+
+    requests, router = [], []
+    for line in (Path(out_dir) / "events.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if event["event"] == "request" and "cluster" in event:
+            requests.append(event)
+        elif event["event"] in ROUTER_MARKS:
+            router.append(event)
+    return requests, router
+
+
+def routing_report(out_dir: str | Path, path: str | Path, segments: list[tuple[int, str]] | None = None,
+                   window: int = 20) -> dict:
+    """A PNG of content routing over a run (``out_dir``: the server's): each request's cluster,
+    coloured by the draft that served it; alpha; detections, spawned, evicted and reloaded drafts,
+    merges. ``segments``: (first request, label) of a known stream's parts, drawn as bands. Returns
+    the counts shown."""
+    requests, router = routing_events(out_dir)
+    if not requests:
+        raise ValueError(f"{out_dir}/events.jsonl holds no content-routed request: was the server started with --router content?")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    drafts = list(dict.fromkeys(r["draft"] for r in requests))
+    colours = plt.get_cmap("tab10")
+    x = list(range(1, len(requests) + 1))
+    for j, name in enumerate(drafts):
+        mine = [(i, r["member_of"]) for i, r in zip(x, requests) if r["draft"] == name]
+        top.scatter([i for i, _ in mine], [c for _, c in mine], s=9, color=colours(j % 10), label=f"served by {name}")
+    bottom.plot(x, moving_average([r["alpha"] for r in requests], window), color="black", label=f"alpha ({window}-request moving average)")
+    seen = set()
+    counts: dict[str, int] = {}
+    for event in router:
+        colour, label = ROUTER_MARKS[event["event"]]
+        counts[label] = counts.get(label, 0) + 1
+        at = event.get("routed") or event.get("requests_served", 0)
+        for axis in (top, bottom):
+            axis.axvline(at, color=colour, alpha=0.5, lw=1, ls="--" if event["event"] != "drift" else "-",
+                         label=label if axis is top and label not in seen else None)
+        seen.add(label)
+    for start, name in segments or []:
+        for axis in (top, bottom):
+            axis.axvspan(start, start + 1, color="black", alpha=0.15)
+        top.annotate(name, (start + 2, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=9)
+    top.set_ylabel("the prompt's cluster")
+    bottom.set_ylabel("alpha")
+    bottom.set_xlabel("request (in the order they ended)")
+    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    bottom.legend(fontsize=7, loc="lower right")
+    top.set_title(f"content routing: {len(requests)} requests, {len(drafts)} drafts served, "
+                  + ", ".join(f"{n} {k}" for k, n in counts.items()))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"requests": len(requests), "drafts_served": drafts, **counts}

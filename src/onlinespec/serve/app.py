@@ -232,7 +232,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
     async def admin_drafts(request: Request):
         authorize(request, settings.admin_key, admin=True)
         return {"learning": core.learning() if core.ready else None, "drafts": core.drafts() if core.ready else [],
-                "governance": core.governance() if core.ready else None}
+                "governance": core.governance() if core.ready else None, "routing": core.routing() if core.ready else None}
 
     @app.post("/admin/data/purge")
     async def admin_purge(request: Request):

@@ -50,7 +50,8 @@ from onlinespec.decoding.stopping import StopChecker
 from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.online.pool import Draft, DraftPool, saved_drafts
+from onlinespec.content import ContentConfig
+from onlinespec.online.pool import Draft, DraftPool, Route, saved_drafts
 from onlinespec.online.storage import OutDirLock, drop_events, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
@@ -73,8 +74,9 @@ class CoreConfig:
     buffer_policy: str = "window"
     buffer_records: int = 2000
     learner: LearnerConfig = field(default_factory=LearnerConfig)
-    router: str = "domain"  # domain: one draft per request domain; single: one shared draft
-    max_drafts: int = MAX_DRAFTS  # domains beyond this many share one draft
+    router: str = "domain"  # domain: one draft per request domain; single: one shared draft; content: by prompt clusters
+    max_drafts: int = MAX_DRAFTS  # domain: domains beyond this many share one draft; content: drafts kept in memory
+    content: ContentConfig = field(default_factory=ContentConfig)  # the content router's clusters and detectors
     adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster
     max_batch: int = 8  # requests verified per step
@@ -165,6 +167,8 @@ class Served:
     domain: str
     learner_busy: bool
     recorded: bool  # its training records are in the durable buffer
+    cluster: int | None = None  # content routing: the cluster it was served as
+    home: str | None = None  # content routing: the draft that learnt from it
 
     @property
     def completion_tokens(self) -> int:
@@ -175,7 +179,8 @@ class Served:
         with the draft and version that served it, and its timings."""
         spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
                 "draft_versions": self.draft_versions}
-        return {"speculative_decoding": spec, "domain": self.domain, "learner_busy": self.learner_busy,
+        routing = {"cluster": self.cluster, "learning_draft": self.home} if self.cluster is not None else {}
+        return {"speculative_decoding": spec, "domain": self.domain, "learner_busy": self.learner_busy, **routing,
                 "queued_seconds": self.stats.queued_seconds, "time_to_first_token_seconds": self.stats.first_token_seconds,
                 "seconds": self.stats.seconds}
 
@@ -199,6 +204,9 @@ class Handle:
         self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
         self.request_id, self.deadline, self.notify, self.prompt_text = request_id, deadline, notify, prompt_text
         self.stream = stream  # send a Delta after every step (else only the end)
+        self.home = draft  # the draft that records it (content routing: its cluster's, which may not serve it)
+        self.route: Route | None = None  # content routing, once its prompt is prefilled
+        self.routed = not state.embed  # content routing waits for the prompt's embedding
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.emitted = ""  # text sent so far
         self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
@@ -325,14 +333,19 @@ class ServingCore:
         self.context = self.engine.context
         self.scheduler = Scheduler(self.engine, config.max_batch)
         learning = config.learning
-        router = Router(config.router if learning else "single", config.max_drafts, saved_drafts(self.out_dir) if learning else ())
+        content = config.router == "content" and learning and config.head_updates
+        router = Router(config.router if learning and (content or config.router != "content") else "single", config.max_drafts,
+                        saved_drafts(self.out_dir) if learning else ())
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
                               config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
-                              suffix_tokens=config.suffix_tokens if learning else 0)
+                              suffix_tokens=config.suffix_tokens if learning else 0,
+                              content=config.content if content else None, max_in_memory=config.max_drafts)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
-        if config.static_baseline and speculative:
+        if content:  # the content router's floor is servable by name too
+            self.baselines[STATIC] = self.pool.static
+        elif config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch})
@@ -370,7 +383,9 @@ class ServingCore:
         self._finished.put(None)
         self._recorder_thread.join(60)
         self._housekeeper.join(60)
+        self.pool.stop_scoring()
         self.pool.save_suffix(force=True)
+        self.pool.save_routing(force=True)
         for learner in self.pool.learners:
             learner.stop(timeout=60)
         self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
@@ -436,7 +451,8 @@ class ServingCore:
         ids = self.encode(prompt)
         params = params or SamplingParams()
         params = replace(params, max_new_tokens=self.max_new_tokens(len(ids), max_tokens))
-        chosen = self._draft(domain, draft)
+        by_content = draft is None and self.pool.content is not None
+        chosen = (self.pool.provisional(load=False) or self._on_engine(self.pool.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -445,7 +461,8 @@ class ServingCore:
                 raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (the limit is {self.config.max_waiting}): "
                                  f"retry in {retry} s", retry)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None)
+                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None,
+                                 embed=by_content)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
@@ -492,6 +509,7 @@ class ServingCore:
             if self._handles.pop(handle.state.id, None) is None:
                 return
         self.scheduler.cancel(handle.state)
+        self._release(handle)
         self.metrics.failures.labels("cancelled").inc()
         self.event({"event": "cancelled", "id": handle.request_id, "draft": handle.draft.name,
                     "new_tokens": len(handle.state.stop.generated)})
@@ -501,6 +519,7 @@ class ServingCore:
             if self._handles.pop(handle.state.id, None) is None:
                 return
         self.scheduler.cancel(handle.state)
+        self._release(handle)
         self.metrics.failures.labels(error.kind).inc()
         self.event({"event": "failed", "id": handle.request_id, "draft": handle.draft.name, "error": error.message})
         handle.emit(error)
@@ -536,6 +555,11 @@ class ServingCore:
         handle = self._handles.get(state.id)
         if handle is None:  # cancelled while its step ran
             return
+        if not handle.routed and (state.prompt_embedding is not None or state.finished):
+            try:
+                self._route(handle)
+            except Exception:  # routing is advice: the request goes on with the draft it started with
+                logging.getLogger("onlinespec.serve").exception("routing request %s by content failed", handle.request_id)
         version = handle.draft.version
         if version and (not handle.versions or handle.versions[-1] != version):
             handle.versions.append(version)
@@ -551,6 +575,33 @@ class ServingCore:
             with self._lock:
                 self._handles.pop(state.id, None)
             self._finished.put(handle)
+
+    def _route(self, handle: Handle) -> None:
+        """Content routing, once the prompt is prefilled (engine thread, between two steps): the
+        request's cluster; its cluster's draft records it; the best-scoring draft drafts for it
+        from the next round on (a head drafted nothing in the first: it had no target feature)."""
+        handle.routed = True
+        state = handle.state
+        if state.prompt_embedding is None:  # a model without hidden states to read, or nothing left to serve
+            return
+        route = self.pool.route_content(state.prompt_embedding, handle.domain)
+        state.prompt_embedding = None
+        with self._lock:  # cancelled (or failed) meanwhile, on another thread: give the drafts back now
+            if state.id not in self._handles:
+                self.pool.release(route)
+                return
+            handle.route, handle.home, handle.draft = route, route.home, route.serve
+        if route.serve.proposer is not state.proposer:
+            # a head's state is the target's feature, whoever drafts; a draft LM's is its own cache: start afresh
+            keep = type(route.serve.proposer) is type(state.proposer) and getattr(state.proposer, "uses_features", False)
+            state.proposer, state.adaptive = route.serve.proposer, route.serve.adaptive
+            if not keep:
+                state.draft_state = state.proposer.start(state.prompt_ids)
+
+    def _release(self, handle: Handle) -> None:
+        if handle.route is not None:
+            self.pool.release(handle.route)
+            handle.route = None
 
     def _expire(self) -> None:
         now = time.perf_counter()
@@ -586,35 +637,41 @@ class ServingCore:
             self.pool.tick()
 
     def _complete(self, handle: Handle) -> None:
-        state, draft = handle.state, handle.draft
+        try:
+            self._answer(handle)
+        finally:
+            self._release(handle)
+
+    def _answer(self, handle: Handle) -> None:
+        state, draft, home, route = handle.state, handle.draft, handle.home, handle.route
         text = state.stop.text()
         generation = Generation(text, list(state.stop.generated), state.prompt_ids, state.stats, state.trace or [])
         recorded = False
-        if draft.learner is not None or draft.suffix is not None:
-            failures = draft.learner.write_failures if draft.learner is not None else 0
+        if home.learner is not None or home.suffix is not None:
+            failures = home.learner.write_failures if home.learner is not None else 0
             try:  # durable when it returns; a record a disk write failed is skipped and counted
-                recorded = self.pool.observe(draft, generation, handle.domain, handle.request_id, train=handle.train)
+                recorded = self.pool.observe(home, generation, handle.domain, handle.request_id, train=handle.train, route=route)
             except Exception as err:
                 logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
-            if draft.learner is not None and draft.learner.write_failures > failures:
-                self.metrics.record_failures.labels(draft.name).inc(draft.learner.write_failures - failures)
+            if home.learner is not None and home.learner.write_failures > failures:
+                self.metrics.record_failures.labels(home.name).inc(home.learner.write_failures - failures)
             if not handle.train:
                 self.metrics.opted_out.inc()
         stats = state.stats
         reason = "length" if stats.finish_reason == "length" else "stop"
         served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
                         draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
-                        self.pool.busy, recorded)
+                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None)
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
         self.metrics.serving(draft.name, draft.version)
-        if draft.suffix is not None:
-            self.metrics.suffix_tokens.labels(draft.name).set(draft.suffix.tokens)
-        if draft.learner is not None:
-            buffer = draft.learner.buffer
-            self.metrics.buffer_records.labels(draft.name).set(len(buffer))
-            self.metrics.buffer_bytes.labels(draft.name).set(buffer.nbytes)
+        if home.suffix is not None:
+            self.metrics.suffix_tokens.labels(home.name).set(home.suffix.tokens)
+        if home.learner is not None:
+            buffer = home.learner.buffer
+            self.metrics.buffer_records.labels(home.name).set(len(buffer))
+            self.metrics.buffer_bytes.labels(home.name).set(buffer.nbytes)
             if recorded:
-                self.metrics.records.labels(draft.name).inc()
+                self.metrics.records.labels(home.name).inc()
         self._served += 1
         self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * stats.seconds
         line = {"event": "request", "id": handle.request_id, "domain": handle.domain, "draft": draft.name,
@@ -622,11 +679,14 @@ class ServingCore:
                 "finish_reason": reason, "alpha": stats.acceptance_rate, "tau": stats.mean_accepted_length,
                 "seconds": stats.seconds, "ttft_seconds": stats.first_token_seconds, "queued_seconds": stats.queued_seconds,
                 "recorded": recorded}
+        if route is not None:
+            line.update(cluster=route.cluster, member_of=route.member_of, learning_draft=home.name)
         if self.config.log_text:
             line.update(prompt=handle.prompt_text, text=text)
         log.info(json.dumps(line))
         self.event(line)
         kill_point("serve.answer")
+        self._release(handle)  # before the answer: a client's next request may need the room
         handle.emit(served)
 
     # ---- events and operators ---------------------------------------------------------------------
@@ -657,6 +717,8 @@ class ServingCore:
             self.metrics.learner_stopped.labels(name).set(1)
         if event["event"] == "update":  # an update ran to its end: the learner is (again) alive
             self.metrics.learner_stopped.labels(name).set(0)
+        if self.pool.content is not None:
+            self.metrics.routing(event, self.pool)
         self.event({**event, "requests_served": self._served})
 
     def drafts(self) -> list[dict]:
@@ -676,7 +738,21 @@ class ServingCore:
                     updates=[{k: v for k, v in vars(r).items() if k != "by_domain"} for r in learner.reports],
                 )
             rows.append(row)
+        if self.pool.content is not None:  # content routing: where each draft is, and what it serves
+            routing = self.pool.routing()
+            homes: dict[str, list[int]] = {}
+            for cluster in routing["clusters"]:
+                homes.setdefault(cluster["draft"], []).append(cluster["cluster"])
+            for row in rows:
+                row.update(state="in memory", clusters=homes.get(row["name"], []))
+            rows += [{"name": n, "state": "evicted (in its registry; reloaded when its cluster returns)", "clusters": homes.get(n, []),
+                      "learning": True} for n in routing["evicted"]]
+            rows += [{"name": n, "state": f"retired: {why}", "learning": False} for n, why in routing["retired"].items()]
         return rows
+
+    def routing(self) -> dict:
+        """Content routing's clusters, lifecycle counts and detections (empty for other routers)."""
+        return self.pool.routing()
 
     def learning(self) -> dict:
         return {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}

@@ -50,6 +50,12 @@ class ServeMetrics:
                                  registry=r)
         self.learner_stopped = Gauge(name("learner_stopped"), "1 while a draft's learner has stopped after failures", ("draft",), registry=r)
         self.version = Gauge(name("draft_version_info"), "1 for the version each draft serves", ("draft", "version"), registry=r)
+        self.drift = Counter(name("drift_detections"), "Content routing: detected changes (prompts: unlike the clusters; "
+                             "alpha: a cluster's served alpha fell; new_cluster: a cluster went live)", ("kind",), registry=r)
+        self.lifecycle = Counter(name("draft_lifecycle"), "Content routing: drafts spawned, evicted, reloaded, retired (merged)",
+                                 ("action",), registry=r)
+        self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
+        self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
         self._versions: dict[str, str] = {}
 
     def request(self, draft: str, version: str | None, domain: str, stats, figures: dict) -> None:
@@ -76,6 +82,20 @@ class ServeMetrics:
             self.version.remove(draft, old)
         self._versions[draft] = version or "none"
         self.version.labels(draft, version or "none").set(1)
+
+    def routing(self, event: dict, pool) -> None:
+        """Count a content-routing event (the pool calls under its lock: its state is steady)."""
+        kind = event["event"]
+        if kind == "drift":
+            self.drift.labels(event["kind"]).inc()
+        elif kind == "cluster" and event.get("why") != "first":
+            self.drift.labels("new_cluster").inc()
+        elif kind.startswith("draft_") and kind[6:] in ("spawned", "evicted", "reloaded"):
+            self.lifecycle.labels(kind[6:]).inc()
+        elif kind == "merge" and event.get("retired"):
+            self.lifecycle.labels("retired").inc()
+        self.clusters.set(sum(k.live for k in pool.content.clusters.values()))
+        self.in_memory.set(len(pool.drafts))
 
     def update(self, draft: str, outcome: str, seconds: float | None = None) -> None:
         self.updates.labels(draft, outcome).inc()
