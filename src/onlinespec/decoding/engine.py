@@ -243,7 +243,7 @@ class SpeculativeEngine:
         if not hasattr(self.target, "get_decoder"):
             return _rows(self.target(input_ids=input_ids, cache=r.prefill_cache, logits_to_keep=keep).logits[0]), None
         states = self.target.get_decoder()(input_ids=input_ids, cache=r.prefill_cache).last_hidden_state[0]
-        r.add_prompt_states(states[: len(block) - keep + 1], last=True)  # the prompt's rows (the rest are proposals)
+        r.add_prompt_states(states[: len(block) - keep + 1])  # the prompt's rows (the rest are proposals)
         hidden = states[-keep:]
         logits = _rows(self.target.get_output_embeddings()(hidden))
         return logits, hidden if getattr(r.proposer, "uses_features", False) else None

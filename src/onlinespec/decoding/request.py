@@ -202,12 +202,12 @@ class RequestState:
     def finished(self) -> bool:
         return self.stop.finish_reason is not None
 
-    def add_prompt_states(self, states: torch.Tensor, last: bool) -> None:
-        """The target's post-norm hidden states of a prefill chunk ([n, H], computed anyway); at the
-        ``last`` chunk the prompt's embedding is set: the unit state at its final position (for a
-        chat prompt, the assistant header: the target's summary of the whole prompt before it
-        answers; docs/routing.md compares it with the prompt's mean state)."""
-        if self.embed and last and len(states):
+    def add_prompt_states(self, states: torch.Tensor) -> None:
+        """The target's post-norm hidden states of the prompt's last prefill chunk ([n, H], computed
+        anyway): the prompt's embedding is the unit state at its final position (for a chat prompt,
+        the assistant header: the target's summary of the whole prompt before it answers;
+        docs/routing.md compares it with the prompt's mean state)."""
+        if self.embed and len(states):
             self.prompt_embedding = torch.nn.functional.normalize(states[-1].float(), dim=0)
 
     @property
