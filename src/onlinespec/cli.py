@@ -286,6 +286,12 @@ def serve(
     drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
     static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
     log_text: Annotated[bool, typer.Option(help="request log lines carry prompt and output text (off: never)")] = False,
+    replicas: Annotated[Optional[int], typer.Option(min=1, help="serve from N replicas on Ray, with learner actors fed by all of them "
+                                                              "(pip install onlinespec[ray]; docs/scale.md); default: this process alone")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="with --replicas: join this Ray cluster ('auto', 'ray://HOST:10001'); default: start a local one")] = None,
+    replica_cpus: Annotated[Optional[float], typer.Option(min=0.01, help="with --replicas: Ray CPUs (and torch threads) per replica; default: the cores / N")] = None,
+    learner_cpus: Annotated[float, typer.Option(min=0.0, help="with --replicas: Ray CPUs per learner actor")] = 1.0,
+    learner_groups: Annotated[int, typer.Option(min=1, help="with --replicas: learner actors; each owns the drafts that hash to it")] = 1,
     core: CoreConfig = None,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions) with speculative decoding
@@ -294,12 +300,25 @@ def serve(
 
     from onlinespec.serve.server import serve as run_server
 
+    scale = None
+    if replicas is not None:
+        try:
+            from onlinespec.scale import ScaleConfig
+        except ImportError as err:
+            console.print(f"[red]error:[/red] --replicas needs Ray ({err}): pip install 'onlinespec[ray]'")
+            raise typer.Exit(2) from None
+        scale = _user_errors(lambda: ScaleConfig(replicas, ray_address, replica_cpus, learner_cpus, learner_groups))
+        if core.router == "content":
+            console.print("[red]error:[/red] content routing runs in a single process for now: with --replicas use --router domain or single")
+            raise typer.Exit(2)
+
     core = replace(core, static_baseline=static_baseline, log_text=log_text)
     name = served_model_name or model_name(core.target)
     settings = ServerSettings(model_name=name, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
                               drain_seconds=drain_seconds)
-    console.print(f"onlinespec: serving {name!r} (draft {core.draft}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
-    _user_errors(lambda: run_server(core, out_dir, host, port, settings))
+    where = f", {replicas} replicas on Ray" if scale else ""
+    console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
+    _user_errors(lambda: run_server(core, out_dir, host, port, settings, scale))
 
 
 def model_name(target: str) -> str:

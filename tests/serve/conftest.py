@@ -68,3 +68,21 @@ def launch(tiny_target_folder):
     yield start
     for process in started:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_target_folder, tmp_path_factory):
+    """`onlinespec serve --replicas 2` on a local Ray cluster, shared by a module's tests. Its
+    updates of 300 steps last long enough to kill the learner in one."""
+    out_dir = tmp_path_factory.mktemp("ray") / "run"
+    process = start_server(tiny_target_folder, out_dir, "--replicas", "2", "--steps-per-update", "300", "--update-interval", "4")
+    process.out_dir = out_dir
+    yield process
+    assert process.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def admin(deployment):
+    import httpx
+
+    return httpx.Client(base_url=deployment.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)

@@ -89,6 +89,13 @@ class LearnerConfig:
             raise ValueError("update_interval, steps_per_update and threads must be >= 1")
 
 
+def load_version(model: torch.nn.Module, registry: DraftRegistry, version: str) -> torch.nn.Module:
+    """A private copy of ``model`` (a serving draft) holding ``version``'s weights."""
+    copied = learnable(model).copy(model)
+    learnable(model).load(copied, registry.load(version), f"the weights of {registry.directory.name} {version}")
+    return copied.eval()
+
+
 @dataclass
 class UpdateReport:
     version: str | None  # published version, or None when the gate refused the candidate
@@ -172,10 +179,7 @@ class OnlineLearner:
         return None
 
     def _load_version(self, version: str):
-        """A private copy of the serving draft holding ``version``'s weights."""
-        model = self.learnable.copy(self.proposer.model)
-        self.learnable.load(model, self.registry.load(version), f"the weights of {self.registry.directory.name} {version}")
-        return model.eval()
+        return load_version(self.proposer.model, self.registry, version)
 
     def observe(
         self, generation: Generation, domain: str = "default", request_id: str = "", train: bool = True, start: bool = True,
@@ -313,6 +317,24 @@ class OnlineLearner:
             return None
         self.on_event({"event": "rollback", "version": current, "by": "another process (CURRENT changed)", "time": time.time()})
         return current
+
+    # ---- the replay buffer, for housekeeping and operators ------------------------------------
+
+    def expire(self) -> int:
+        """Drop the records past the buffer's retention (housekeeping); how many went."""
+        with self._lock:
+            return self.buffer.expire()
+
+    def purge(self, request_id: str | None = None, before: float | None = None) -> int:
+        """Delete a request's records (or those recorded before ``before``); how many went."""
+        with self._lock:
+            return self.buffer.purge(request_id, before)
+
+    def governance(self) -> dict:
+        """What this learner's buffer and registry did with the training data (counts)."""
+        return {**self.buffer.counts, "quarantined": self.buffer.counts["quarantined"] + len(self.registry.quarantined),
+                "held": len(self.buffer), "bytes": self.buffer.nbytes, "write_failures": self.write_failures,
+                "versions_pruned": len(self.pruned)}
 
     def score(self) -> None:
         """Priority policy: the serving draft's loss on every buffered record (hardest kept)."""

@@ -59,7 +59,12 @@ from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
 log = logging.getLogger("onlinespec.pool")
 
 SAVE_SECONDS = 10.0  # a changed suffix index is saved at most this often (and on purge and shutdown)
-SUFFIX_FILE = "suffix-index.safetensors"
+SUFFIX_FILE = "suffix-index.safetensors"  # a Ray replica's: suffix-index.<replica>.safetensors (replica_suffix_file)
+SUFFIX_FILES = "suffix-index*.safetensors"
+
+
+def replica_suffix_file(replica: str) -> str:
+    return f"suffix-index.{replica}.safetensors"
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
 
 
@@ -90,6 +95,19 @@ class Route:
     request: int = 0  # its number in the router's count (scores are kept by it)
 
 
+def learner_row(learner: OnlineLearner) -> dict:
+    """A learning draft's row for operators: its versions (with their metadata), the one CURRENT
+    names, and its learner's state and updates."""
+    registry = learner.registry
+    keys = ("parent", "records_seen", "alpha_before", "alpha_after", "published_at", "note")
+    return dict(
+        versions=[{"version": v, **{k: m.get(k) for k in keys}} for v, m in ((v, registry.meta(v)) for v in registry.versions())],
+        current=registry.current(), pinned=learner.pinned, busy=learner.busy, due=learner.due,
+        buffer_records=learner.governance()["held"], failures=list(learner.failures), stopped=learner.stopped,
+        updates=[{k: v for k, v in vars(r).items() if k != "by_domain"} for r in learner.reports],
+    )
+
+
 def saved_drafts(out_dir: str | Path) -> list[str]:
     """The drafts that a previous run in ``out_dir`` published, oldest first (a restart routes
     their domains to them again)."""
@@ -104,7 +122,7 @@ def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, befor
     the requests leave every saved index, and set-aside (unreadable) copies are deleted; how many
     indexed requests went."""
     removed = 0
-    for path in sorted((Path(out_dir) / "drafts").glob(f"*/{SUFFIX_FILE}")):
+    for path in sorted((Path(out_dir) / "drafts").glob(f"*/{SUFFIX_FILES}")):
         index = SuffixIndex(max_tokens=2**62)
         try:
             index.load(path)
@@ -123,7 +141,7 @@ def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, befor
 def _delete_set_aside(folder: Path, before: float | None = None) -> None:
     """Delete the unreadable suffix indices set aside in a draft's folder (they may hold
     requests): all of them, or those last written before ``before``."""
-    for stale in (folder / "quarantine").glob(f"{SUFFIX_FILE}.*"):
+    for stale in (folder / "quarantine").glob(f"{SUFFIX_FILES}.*"):
         if before is None or stale.stat().st_mtime < before:
             stale.unlink(missing_ok=True)
 
@@ -144,18 +162,25 @@ class DraftPool:
         suffix_tokens: int = 0,
         content: ContentConfig | None = None,
         max_in_memory: int = MAX_DRAFTS,
+        learners: Callable[[str, Proposer], OnlineLearner] | None = None,
+        suffix_file: str = SUFFIX_FILE,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
         (target, draft spec, tokenizer fingerprint) is stored with every record and version.
         ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing).
         ``content``: route by content (:mod:`onlinespec.content`; needs ``learner``), with at
-        most ``max_in_memory`` drafts in memory (the idlest others wait in their registries)."""
+        most ``max_in_memory`` drafts in memory (the idlest others wait in their registries).
+        ``learners(name, proposer)``: where a draft's learner lives (default: here, with its buffer
+        under ``out_dir/buffer/<name>``; a Ray replica passes a client of its learner actor).
+        ``suffix_file``: the file a draft's suffix index is saved as in its registry folder (each
+        Ray replica keeps its own)."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
         self.retention_seconds, self.identity = retention_seconds, identity or {}
-        self.suffix_tokens = suffix_tokens
+        self.suffix_tokens, self.suffix_file = suffix_tokens, suffix_file
+        self._learners = learners or self._local_learner
         self.suffix_purged = 0  # indexed requests purged (by request or by age)
         self._saved_at = 0.0
         self.opted_out = 0
@@ -168,6 +193,13 @@ class DraftPool:
         self.content: ContentRouter | None = None
         if content is not None:
             self._start_content(content, max_in_memory)
+
+    def open(self, name: str) -> Draft:
+        """The draft called ``name`` (created, or opened from its registry, on first use)."""
+        with self._lock:
+            if name not in self.drafts:
+                self.drafts[name] = self._create(name)
+            return self.drafts[name]
 
     def route(self, domain: str) -> Draft:
         """The draft that serves a request of ``domain`` (created on first use)."""
@@ -190,17 +222,32 @@ class DraftPool:
             if not hasattr(proposer, "swap_model"):
                 raise ValueError(f"online learning needs a learned draft (a draft LM, a head, a hybrid) or a suffix index, "
                                  f"not {getattr(proposer, 'name', 'none')!r}")
-            buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
-                                  max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
-                                  identity=self.identity.get("tokenizer", ""))
-            registry = DraftRegistry(self.out_dir / "drafts" / name)
-            learner = OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
-                                    on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
-            self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": len(buffer),
-                           "quarantined": buffer.counts["quarantined"] + len(registry.quarantined)})
+            learner = self._learners(name, proposer)
+            data = learner.governance()
+            self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
+                           "quarantined": data["quarantined"]})
         draft = Draft(name, proposer, adaptive, learner)
         self._open_suffix(draft)
         return draft
+
+    def _local_learner(self, name: str, proposer: Proposer) -> OnlineLearner:
+        """A learner in this process, with its durable buffer and its registry under the out-dir."""
+        buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
+                              max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
+                              identity=self.identity.get("tokenizer", ""))
+        registry = DraftRegistry(self.out_dir / "drafts" / name)
+        return OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
+                             on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
+
+    def store(self, name: str, records: list, new_tokens: int) -> bool:
+        """Store a request's records (made where it was served) with draft ``name``'s learner,
+        durably, and start the update due longest if the slot is free: a learner actor's side of
+        :meth:`observe`."""
+        learner = self.learned(name).learner
+        stored = learner.observe_records(records, new_tokens, start=False)
+        with self._lock:
+            self._start_next()
+        return stored
 
     def _open_suffix(self, draft: Draft) -> None:
         """Give the draft its suffix index's saved contents (an unreadable file is moved to the
@@ -209,7 +256,7 @@ class DraftPool:
         if index is None or self.suffix_tokens <= 0:
             return
         index.max_tokens, index.identity = self.suffix_tokens, self.identity.get("tokenizer", "")
-        draft.suffix, draft.suffix_path = index, self.out_dir / "drafts" / draft.name / SUFFIX_FILE
+        draft.suffix, draft.suffix_path = index, self.out_dir / "drafts" / draft.name / self.suffix_file
         draft.suffix_path.parent.mkdir(parents=True, exist_ok=True)
         if draft.suffix_path.exists():
             try:
@@ -219,7 +266,7 @@ class DraftPool:
             except (ValueError, KeyError, SafetensorError) as err:  # a bad file; an I/O error of the moment is raised
                 quarantine = draft.suffix_path.parent / "quarantine"
                 quarantine.mkdir(exist_ok=True)
-                shutil.move(str(draft.suffix_path), quarantine / f"{SUFFIX_FILE}.{int(time.time())}")
+                shutil.move(str(draft.suffix_path), quarantine / f"{self.suffix_file}.{int(time.time())}")
                 log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", draft.name, err, quarantine)
         self.on_event({"event": "suffix_index", "draft": draft.name, **index.stats()})
 
@@ -310,8 +357,7 @@ class DraftPool:
                 log.exception("content routing's housekeeping failed; serving goes on")
         for learner in self.learners:
             try:
-                with learner._lock:
-                    learner.buffer.expire()
+                learner.expire()
                 learner.follow_registry()
             except Exception:  # one draft's trouble never stops the others' housekeeping
                 log.exception("housekeeping of draft %s failed; serving goes on", learner.registry.directory.name)
@@ -320,8 +366,7 @@ class DraftPool:
         """Delete a request's records (or those recorded before ``before``) from every buffer."""
         removed = 0
         for learner in self.learners:
-            with learner._lock:
-                removed += learner.buffer.purge(request_id, before)
+            removed += learner.purge(request_id, before)
         for draft in list(self.drafts.values()):
             if draft.suffix is None:
                 continue
@@ -334,20 +379,16 @@ class DraftPool:
 
     def governance(self) -> dict:
         """What happened to the training data: see the module docstring."""
-        counts = dict.fromkeys(("stored", "evicted", "expired", "purged", "quarantined"), 0)
-        held = write_failures = pruned = 0
+        counts = dict.fromkeys(("stored", "held", "evicted", "expired", "purged", "quarantined", "write_failures", "versions_pruned"), 0)
         for learner in self.learners:
-            for key, n in learner.buffer.counts.items():
-                counts[key] += n
-            counts["quarantined"] += len(learner.registry.quarantined)
-            held += len(learner.buffer)
-            write_failures += learner.write_failures
-            pruned += len(learner.pruned)
+            for key, n in learner.governance().items():
+                if key in counts:
+                    counts[key] += n
         suffix = [d.suffix.stats() for d in list(self.drafts.values()) if d.suffix is not None]
-        return {"records_stored": counts["stored"], "records_held": held, "refused_opt_out": self.opted_out,
+        return {"records_stored": counts["stored"], "records_held": counts["held"], "refused_opt_out": self.opted_out,
                 "suffix_requests_held": sum(s["requests"] for s in suffix), "suffix_tokens_held": sum(s["tokens"] for s in suffix),
-                "write_failures": write_failures, "evicted": counts["evicted"], "expired": counts["expired"],
-                "purged": counts["purged"], "quarantined": counts["quarantined"], "versions_pruned": pruned,
+                "write_failures": counts["write_failures"], "evicted": counts["evicted"], "expired": counts["expired"],
+                "purged": counts["purged"], "quarantined": counts["quarantined"], "versions_pruned": counts["versions_pruned"],
                 "retention_seconds": self.retention_seconds}
 
     def _start_next(self) -> bool:

@@ -231,8 +231,10 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
     @app.get("/admin/drafts")
     async def admin_drafts(request: Request):
         authorize(request, settings.admin_key, admin=True)
-        return {"learning": core.learning() if core.ready else None, "drafts": core.drafts() if core.ready else [],
-                "governance": core.governance() if core.ready else None, "routing": core.routing() if core.ready else None}
+        if not core.ready:
+            return {"learning": None, "drafts": [], "governance": None, "routing": None, "replicas": []}
+        return await asyncio.to_thread(lambda: {"learning": core.learning(), "drafts": core.drafts(), "governance": core.governance(),
+                                                "routing": core.routing(), "replicas": core.replica_rows()})
 
     @app.post("/admin/data/purge")
     async def admin_purge(request: Request):

@@ -51,7 +51,7 @@ from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.content import ContentConfig
-from onlinespec.online.pool import Draft, DraftPool, Route, saved_drafts
+from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
 from onlinespec.online.storage import OutDirLock, drop_events, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
@@ -122,6 +122,16 @@ class ServeError(Exception):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
 
+    def __reduce__(self):  # crosses processes whole (a Ray replica's errors reach the HTTP front as they are)
+        return _rebuild_error, (type(self), self.message, dict(self.__dict__))
+
+
+def _rebuild_error(kind: type, message: str, attributes: dict) -> ServeError:
+    error = Exception.__new__(kind)
+    Exception.__init__(error, message)
+    error.__dict__.update(attributes)
+    return error
+
 
 class Overloaded(ServeError):
     status, kind = 429, "rate_limit_error"
@@ -169,6 +179,7 @@ class Served:
     recorded: bool  # its training records are in the durable buffer
     cluster: int | None = None  # content routing: the cluster it was served as
     home: str | None = None  # content routing: the draft that learnt from it
+    replica: str | None = None  # the serving replica (onlinespec.scale), when there are several
 
     @property
     def completion_tokens(self) -> int:
@@ -180,6 +191,8 @@ class Served:
         spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
                 "draft_versions": self.draft_versions}
         routing = {"cluster": self.cluster, "learning_draft": self.home} if self.cluster is not None else {}
+        if self.replica is not None:
+            routing["replica"] = self.replica
         return {"speculative_decoding": spec, "domain": self.domain, "learner_busy": self.learner_busy, **routing,
                 "queued_seconds": self.stats.queued_seconds, "time_to_first_token_seconds": self.stats.first_token_seconds,
                 "seconds": self.stats.seconds}
@@ -194,23 +207,14 @@ class Delta:
 _request_ids = itertools.count()
 
 
-class Handle:
-    """A submitted request: its events (with ``stream``, a :class:`Delta` per step; then a
-    :class:`Served` or a :class:`ServeError`) in order. ``notify`` is called from the core's threads after each event
-    (an asyncio server passes ``loop.call_soon_threadsafe``-based wake-ups)."""
+class Events:
+    """A submitted request's events, in order: with ``stream``, a :class:`Delta` per step; then a
+    :class:`Served` or a :class:`ServeError`. ``notify`` is called from the producing thread after
+    each event (an asyncio server passes ``loop.call_soon_threadsafe``-based wake-ups)."""
 
-    def __init__(self, core: ServingCore, state: RequestState, draft: Draft, domain: str, train: bool, request_id: str,
-                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "", stream: bool = False) -> None:
-        self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
-        self.request_id, self.deadline, self.notify, self.prompt_text = request_id, deadline, notify, prompt_text
-        self.stream = stream  # send a Delta after every step (else only the end)
-        self.home = draft  # the draft that records it (content routing: its cluster's, which may not serve it)
-        self.route: Route | None = None  # content routing, once its prompt is prefilled
-        self.routed = not state.embed  # content routing waits for the prompt's embedding
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
+        self.notify = notify
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.emitted = ""  # text sent so far
-        self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
-        self.versions: list[str] = []
         self.done = False
 
     def emit(self, event) -> None:
@@ -238,18 +242,48 @@ class Handle:
         raise AssertionError("unreachable")
 
     def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class Handle(Events):
+    """A request submitted to this process's core."""
+
+    def __init__(self, core: ServingCore, state: RequestState, draft: Draft, domain: str, train: bool, request_id: str,
+                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "", stream: bool = False) -> None:
+        super().__init__(notify)
+        self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
+        self.request_id, self.deadline, self.prompt_text = request_id, deadline, prompt_text
+        self.stream = stream  # send a Delta after every step (else only the end)
+        self.home = draft  # the draft that records it (content routing: its cluster's, which may not serve it)
+        self.route: Route | None = None  # content routing, once its prompt is prefilled
+        self.routed = not state.embed  # content routing waits for the prompt's embedding
+        self.emitted = ""  # text sent so far
+        self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
+        self.versions: list[str] = []
+
+    def cancel(self) -> None:
         """The client went away: free the request's slot at the next step (nothing recorded)."""
         self.core.cancel(self)
 
 
 class ServingCore:
     def __init__(self, config: CoreConfig, out_dir: str | Path, on_event: Callable[[dict], None] | None = None,
-                 target: LoadedModel | None = None) -> None:
+                 target: LoadedModel | None = None, replica: str | None = None,
+                 learners: Callable[[str, object], object] | None = None) -> None:
         """``on_event`` receives every event (requests, drafts, updates) as a dict, from the core's
         threads; the core also appends them to ``out_dir/events.jsonl``. ``target``: an already
-        loaded target to share (else :meth:`load` loads ``config.target``)."""
-        self.config, self.out_dir = config, Path(out_dir)
-        self.lock = OutDirLock(self.out_dir).acquire()  # OutDirBusy if another process serves from it
+        loaded target to share (else :meth:`load` loads ``config.target``).
+
+        ``replica``: this core is one of several serving replicas of ``out_dir``
+        (:mod:`onlinespec.scale`): its event log, lock and suffix indices are its own
+        (``out_dir/replicas/<replica>/``, ``suffix-index.<replica>.safetensors``), the drafts'
+        registries are shared, and ``learners(name, proposer)`` gives each draft its learner
+        (a client of the learner actor that owns the buffer)."""
+        self.config, self.out_dir, self.replica, self._learners = config, Path(out_dir), replica, learners
+        if replica is not None and config.router == "content":
+            raise ValueError("content routing runs in a single process: serve replicas with --router domain or single")
+        self.own_dir = self.out_dir if replica is None else self.out_dir / "replicas" / replica  # its lock and event log
+        self.lock = OutDirLock(self.own_dir).acquire()  # OutDirBusy if another process serves from it
         try:
             self._prune_events()
             self._events = open(self._events_path, "a")
@@ -276,7 +310,7 @@ class ServingCore:
 
     @property
     def _events_path(self) -> Path:
-        return self.out_dir / "events.jsonl"
+        return self.own_dir / "events.jsonl"
 
     def _prune_events(self) -> None:
         """With a retention period, event-log lines older than it go (on start)."""
@@ -341,7 +375,8 @@ class ServingCore:
                               config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
                               suffix_tokens=config.suffix_tokens if learning else 0,
-                              content=config.content if content else None, max_in_memory=config.max_drafts)
+                              content=config.content if content else None, max_in_memory=config.max_drafts,
+                              learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.static
@@ -661,15 +696,15 @@ class ServingCore:
         reason = "length" if stats.finish_reason == "length" else "stop"
         served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
                         draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
-                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None)
+                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None, self.replica)
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
         self.metrics.serving(draft.name, draft.version)
         if home.suffix is not None:
             self.metrics.suffix_tokens.labels(home.name).set(home.suffix.tokens)
         if home.learner is not None:
-            buffer = home.learner.buffer
-            self.metrics.buffer_records.labels(home.name).set(len(buffer))
-            self.metrics.buffer_bytes.labels(home.name).set(buffer.nbytes)
+            data = home.learner.governance()
+            self.metrics.buffer_records.labels(home.name).set(data["held"])
+            self.metrics.buffer_bytes.labels(home.name).set(data["bytes"])
             if recorded:
                 self.metrics.records.labels(home.name).inc()
         self._served += 1
@@ -681,6 +716,8 @@ class ServingCore:
                 "recorded": recorded}
         if route is not None:
             line.update(cluster=route.cluster, member_of=route.member_of, learning_draft=home.name)
+        if self.replica is not None:
+            line["replica"] = self.replica
         if self.config.log_text:
             line.update(prompt=handle.prompt_text, text=text)
         log.info(json.dumps(line))
@@ -715,6 +752,8 @@ class ServingCore:
             self.metrics.update(name, "failed")
         elif event["event"] == "learner_stopped":
             self.metrics.learner_stopped.labels(name).set(1)
+        elif event["event"] in ("version", "rollback"):  # another process's version is served now
+            self.metrics.serving(name, event["version"])
         if event["event"] == "update":  # an update ran to its end: the learner is (again) alive
             self.metrics.learner_stopped.labels(name).set(0)
         if self.pool.content is not None:
@@ -729,14 +768,7 @@ class ServingCore:
             if draft.suffix is not None:
                 row["suffix_index"] = draft.suffix.stats()
             if draft.learner is not None:
-                learner, registry = draft.learner, draft.learner.registry
-                row.update(
-                    versions=[{"version": v, **{k: m.get(k) for k in ("parent", "records_seen", "alpha_before", "alpha_after", "published_at", "note")}}
-                              for v, m in ((v, registry.meta(v)) for v in registry.versions())],
-                    current=registry.current(), pinned=learner.pinned, busy=learner.busy, due=learner.due,
-                    buffer_records=len(learner.buffer), failures=list(learner.failures), stopped=learner.stopped,
-                    updates=[{k: v for k, v in vars(r).items() if k != "by_domain"} for r in learner.reports],
-                )
+                row.update(learner_row(draft.learner))
             rows.append(row)
         if self.pool.content is not None:  # content routing: where each draft is, and what it serves
             routing = self.pool.routing()
@@ -749,6 +781,10 @@ class ServingCore:
                       "learning": True} for n in routing["evicted"]]
             rows += [{"name": n, "state": f"retired: {why}", "learning": False} for n, why in routing["retired"].items()]
         return rows
+
+    def replica_rows(self) -> list[dict]:
+        """The serving replicas (one process: none; see onlinespec.scale)."""
+        return []
 
     def routing(self) -> dict:
         """Content routing's clusters, lifecycle counts and detections (empty for other routers)."""
@@ -782,36 +818,45 @@ class ServingCore:
         return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
-        """An operator's action: ``pause``, ``resume``, ``update`` (start ``name``'s update now),
-        ``rollback`` (``name`` serves its current version's parent), ``pin`` (``name`` serves
-        ``version`` and publishes nothing; ``version=None`` unpins). Returns the new state."""
+        """An operator's action (:func:`operate`); the model work of a rollback or a pin runs on
+        the engine thread. Returns the new state."""
         if not self.config.learning:
             raise ServeError("this server does not learn (started with --static or --draft none)", code="not_learning")
-        try:
-            if action in ("pause", "resume"):
-                self.pool.pause(action == "pause")
-                result = self.learning()
-            elif action == "update":
-                if not self.pool.update_now(name):
-                    raise ServeError("an update is already running: wait for it (GET /admin/drafts shows it busy)", code="busy")
-                result = {"draft": name, "started": True}
-            elif action == "rollback":
-                self.pool.learned(name).learner.stop()  # here, so that the engine never waits for an update to end
-                result = {"draft": name, "version": self._on_engine(lambda: self.pool.rollback(name))}
-            elif action == "pin":
-                if version is not None:
-                    self.pool.learned(name).learner.stop()
-                self._on_engine(lambda: self.pool.pin(name, version))
-                result = {"draft": name, "version": self.pool.drafts[name].learner.registry.current(), "pinned": version is not None}
-            else:
-                raise ServeError(f"unknown action {action!r}")
-        except KeyError as err:
-            raise NotFound(err.args[0], param="draft") from None
-        except FileNotFoundError as err:
-            raise NotFound(str(err), param="version") from None
-        except ValueError as err:
-            raise ServeError(str(err)) from None
+        result = operate(self.pool, action, name, version, self._on_engine)
+        if action in ("pause", "resume"):
+            result = self.learning()
         if name in self.pool.drafts and action in ("rollback", "pin"):
             self.metrics.serving(name, self.pool.drafts[name].learner.registry.current())
         self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
         return result
+
+
+def operate(pool: DraftPool, action: str, name: str | None = None, version: str | None = None,
+            run: Callable = lambda fn: fn()) -> dict:
+    """An operator's action on a pool's learners: ``pause``, ``resume``, ``update`` (start
+    ``name``'s update now), ``rollback`` (``name`` serves its current version's parent), ``pin``
+    (``name`` serves ``version`` and publishes nothing; ``version=None`` unpins). ``run(fn)`` runs
+    the model work (loading a version). A bad name, version or action is a :class:`ServeError`."""
+    try:
+        if action in ("pause", "resume"):
+            pool.pause(action == "pause")
+            return {"paused": pool.paused}
+        if action == "update":
+            if not pool.update_now(name):
+                raise ServeError("an update is already running: wait for it (GET /admin/drafts shows it busy)", code="busy")
+            return {"draft": name, "started": True}
+        if action == "rollback":
+            pool.learned(name).learner.stop()  # here, so that the engine never waits for an update to end
+            return {"draft": name, "version": run(lambda: pool.rollback(name))}
+        if action == "pin":
+            if version is not None:
+                pool.learned(name).learner.stop()
+            run(lambda: pool.pin(name, version))
+            return {"draft": name, "version": pool.drafts[name].learner.registry.current(), "pinned": version is not None}
+        raise ServeError(f"unknown action {action!r}")
+    except KeyError as err:
+        raise NotFound(err.args[0], param="draft") from None
+    except FileNotFoundError as err:
+        raise NotFound(str(err), param="version") from None
+    except ValueError as err:
+        raise ServeError(str(err)) from None

@@ -27,8 +27,9 @@ from onlinespec.serve.core import CoreConfig, ServingCore
 
 
 def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-          settings: ServerSettings | None = None) -> None:
-    """Serve until SIGTERM / SIGINT (blocking). Request log lines (one JSON object each) go to stderr."""
+          settings: ServerSettings | None = None, scale=None) -> None:
+    """Serve until SIGTERM / SIGINT (blocking). Request log lines (one JSON object each) go to stderr.
+    ``scale`` (a :class:`onlinespec.scale.ScaleConfig`): serve from replicas on Ray instead of this process."""
     settings = settings or ServerSettings()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -36,7 +37,12 @@ def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port
     requests_log.addHandler(handler)
     requests_log.setLevel(logging.INFO)
     requests_log.propagate = False
-    core = ServingCore(config, out_dir)
+    if scale is None:
+        core = ServingCore(config, out_dir)
+    else:
+        from onlinespec.scale import RayCore
+
+        core = RayCore(config, out_dir, scale)
     app = create_app(core, settings)
     _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                            timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()

@@ -1,0 +1,31 @@
+"""Serving past one process: replicas and learners as Ray actors (``onlinespec serve --replicas N``).
+
+The same OpenAI-compatible app (:mod:`onlinespec.serve.app`) fronts N serving replicas, each a
+whole :class:`~onlinespec.serve.core.ServingCore` in a Ray actor; one learner actor per draft
+group owns the group's replay buffers and publishes to the drafts' registries::
+
+    HTTP (the app) --> RayCore (this process) --submit--> replica actors (ServingCore each, their own CPUs)
+                                                              |  every served request's records,
+                                                              v  durable before the client's answer
+    registry (drafts/<name>/) <--publish-- learner actor(s) (DraftPool of OnlineLearners, buffers)
+          |                                    |
+          +--> every replica serves CURRENT <--+ pushes "follow" after a publication
+
+- :mod:`onlinespec.scale.learners`: the learner actor and a replica's client of it.
+- :mod:`onlinespec.scale.replicas`: the replica actor.
+- :mod:`onlinespec.scale.cluster`: :class:`RayCore`, what the app serves from.
+
+Ray is an optional extra (``pip install onlinespec[ray]``). docs/scale.md has the design, what
+it costs and how it maps to a multi-node cluster.
+"""
+
+import os
+
+# Read when ray is first imported: Ray's C++ failure handler would turn the server's SIGTERM (a
+# graceful drain) into an abort; usage statistics would try the network.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from onlinespec.scale.cluster import RayCore, ScaleConfig  # noqa: E402
+
+__all__ = ["RayCore", "ScaleConfig"]

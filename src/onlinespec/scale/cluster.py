@@ -1,0 +1,496 @@
+"""The front of a Ray deployment: what the OpenAI-compatible app serves from when there are replicas.
+
+:class:`RayCore` has the surface of :class:`~onlinespec.serve.core.ServingCore` that the app uses
+(``submit``, ``drafts``, ``operate``, ``purge``, ``metrics``, ``load``, ``shutdown``, ...), so that
+:func:`onlinespec.serve.app.create_app` serves one replica or N with the same code. It:
+
+- starts (or joins, ``address``) a Ray cluster, one learner actor per draft group, then the
+  replica actors, each a whole serving core on its own CPUs;
+- sends each request to the ready replica with the fewest requests in flight and relays its
+  events; a replica that dies mid-request fails the request with 503 (send it again), or, when
+  nothing of its answer was sent yet, sends it to another replica; Ray restarts the replica, and
+  a health check every ``HEALTH_SECONDS`` puts it back in rotation;
+- fans operators out: learning and rollbacks go to the learner actors (which publish and tell the
+  replicas), purges to every learner and replica, ``/metrics`` merges every replica's metrics with a
+  ``replica`` label.
+
+The out-dir is shared: ``drafts/`` (registries: the learner actors write, replicas read),
+``buffer/`` (the learner actors'), ``replicas/<name>/`` and ``learners/<group>/`` (their event logs
+and locks), and ``events.jsonl`` of the front. On a cluster of several machines it must be a shared
+file system (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.online.storage import OutDirLock, drop_events
+from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
+from onlinespec.scale.replicas import ACCEPTED, replica_actor
+from onlinespec.serve.core import (CoreConfig, Events, Failed, LoadFailed, NotFound, Overloaded, Served, ServeError,
+                                   Unavailable)
+from onlinespec.serve.metrics import PREFIX
+from onlinespec.tokens import Prompt
+
+log = logging.getLogger("onlinespec.scale")
+
+HEALTH_SECONDS = 1.0  # how often the front checks its replicas (a restarted one rejoins the rotation)
+CALL_TIMEOUT = 60.0  # seconds an operator's call to an actor may take
+
+
+@dataclass
+class ScaleConfig:
+    replicas: int = 2
+    address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
+    replica_cpus: float | None = None  # Ray CPUs (and torch threads) per replica; None: this machine's cores / replicas
+    learner_cpus: float = 1.0  # Ray CPUs per learner actor (it runs LearnerConfig.threads torch threads, at low priority)
+    learner_groups: int = 1  # learner actors; draft d belongs to group crc32(d) % learner_groups
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.learner_groups < 1:
+            raise ValueError(f"replicas and learner_groups must be >= 1, got {self.replicas} and {self.learner_groups}")
+        if self.replica_cpus is not None and not self.replica_cpus > 0:
+            raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        if not self.learner_cpus >= 0:
+            raise ValueError(f"learner_cpus must be >= 0, got {self.learner_cpus}")
+
+    @property
+    def cpus_per_replica(self) -> float:
+        return self.replica_cpus or max(1, (os.cpu_count() or 1) // self.replicas)
+
+
+@dataclass
+class Replica:
+    name: str
+    actor: object
+    ready: bool = False
+    pid: int | None = None
+    in_flight: int = 0
+    restarts: int = 0
+    served: int = 0
+    chosen: int = 0  # when it was last given a request (ties go to the least recent)
+
+
+class RemoteHandle(Events):
+    """A request a replica serves: its events relayed by the front."""
+
+    def __init__(self, core: RayCore, request_id: str, notify: Callable[[], None] | None) -> None:
+        super().__init__(notify)
+        self.core, self.request_id = core, request_id
+        self.generator = None
+        self.replica: Replica | None = None
+        self.cancelled = False
+        self.sent = False  # some of its answer went to the client (a retry elsewhere would repeat it)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.generator is not None:
+            try:
+                ray.cancel(self.generator)
+            except Exception:  # already finished
+                pass
+
+
+class RayCore:
+    def __init__(self, config: CoreConfig, out_dir: str | Path, scale: ScaleConfig | None = None) -> None:
+        if config.router == "content":
+            raise ValueError("content routing runs in a single process for now: serve replicas with --router domain or single")
+        self.config, self.scale, self.out_dir = config, scale or ScaleConfig(), Path(out_dir).resolve()
+        self.lock = OutDirLock(self.out_dir).acquire()  # the front holds the out-dir; replicas and learners their folders in it
+        self._events = open(self.out_dir / "events.jsonl", "a")
+        self._events_lock = threading.Lock()
+        self.status, self.error, self.context = "starting", None, None
+        self.started_at = time.time()
+        self.replicas: list[Replica] = []
+        self.learners: list = []
+        self._lock = threading.Lock()
+        self._stopping, self._stopped = threading.Event(), threading.Event()
+        self._chosen = 0
+        self._started_ray = False
+        self.metrics = _ClusterMetrics(self)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and any(r.ready for r in self.replicas)
+
+    @property
+    def namespace(self) -> str:
+        """One Ray namespace per out-dir: two deployments on one cluster never share actors."""
+        return "onlinespec-" + hashlib.sha1(str(self.out_dir).encode()).hexdigest()[:10]
+
+    # ---- start and stop ---------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Start (or join) Ray, the learner actors, then the replicas; block until every replica
+        has loaded and calibrated. One thread starts Ray and lives until :meth:`shutdown`: a
+        local cluster's processes die with the thread that started them (Linux's parent-death
+        signal follows the thread), and it runs the health checks."""
+        loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(loaded,), name="onlinespec-ray", daemon=True)
+        self._thread.start()
+        loaded.wait()
+        if self.status == "failed":
+            raise LoadFailed(f"the Ray deployment failed to start: {self.error}")
+
+    def _run(self, loaded: threading.Event) -> None:
+        try:
+            self._start()
+        except Exception as err:
+            self.status, self.error = "failed", f"{type(err).__name__}: {err}"
+            self.event({"event": "load_failed", "error": self.error})
+            return
+        finally:
+            loaded.set()
+        self._health()
+        self._stopped.wait()  # shutdown has stopped the actors; Ray stops when this thread ends
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _start(self) -> None:
+        self.status = "loading"
+        scale, config = self.scale, self.config
+        if not ray.is_initialized():
+            options = {"namespace": self.namespace, "include_dashboard": False, "log_to_driver": True}
+            if scale.address is None:  # a local cluster sized for what it runs (learners at low priority share the cores)
+                need = scale.replicas * scale.cpus_per_replica + scale.learner_groups * scale.learner_cpus
+                options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need))
+            ray.init(address=scale.address, **options)
+            self._started_ray = True
+        names = [f"r{i}" for i in range(scale.replicas)]
+        if config.learning:
+            actor = learner_actor(scale.learner_cpus)
+            self.learners = [actor.options(name=learner_actor_name(g)).remote(config, str(self.out_dir), g, scale.learner_groups, names)
+                             for g in range(scale.learner_groups)]
+            ray.get([learner.ready.remote() for learner in self.learners])
+        cpus = scale.cpus_per_replica
+        actor = replica_actor(cpus)
+        self.replicas = [Replica(name, actor.options(name=replica_actor_name(name)).remote(
+            config, str(self.out_dir), name, self.learners, max(1, int(cpus)))) for name in names]
+        for replica, state in zip(self.replicas, ray.get([r.actor.ready.remote() for r in self.replicas])):
+            replica.ready, replica.pid = True, state["pid"]
+            self.context = state["context"]
+        self.status = "ready"
+        self.event({"event": "start", "replicas": names, "learner_groups": scale.learner_groups, "address": scale.address,
+                    "replica_cpus": cpus, "learner_cpus": scale.learner_cpus, "learn": config.learning, "draft": config.draft})
+
+    def shutdown(self, drain_seconds: float = 30.0) -> None:
+        """Every replica drains (its requests in flight finish, at most ``drain_seconds``) and
+        writes its records; the learners abandon an update in flight; Ray stops if we started it."""
+        self._stopping.set()
+        if self.status == "ready":
+            self.status = "draining"
+            calls = [r.actor.shutdown.remote(drain_seconds) for r in self.replicas]
+            for call in calls:
+                try:
+                    ray.get(call, timeout=drain_seconds + 120)
+                except Exception as err:
+                    log.error("a replica did not stop cleanly: %s", err)
+            for learner in self.learners:
+                try:
+                    ray.get(learner.shutdown.remote(), timeout=120)
+                except Exception as err:
+                    log.error("a learner actor did not stop cleanly: %s", err)
+        self.event({"event": "stop", "replicas": [{"name": r.name, "served": r.served, "restarts": r.restarts} for r in self.replicas]})
+        self.status = "stopped"
+        self._stopped.set()
+        if getattr(self, "_thread", None) is not None:
+            self._thread.join(60)
+        with self._events_lock:
+            self._events.close()
+        self.lock.release()
+
+    def _health(self) -> None:
+        """Every HEALTH_SECONDS: which replicas answer; a restarted one (a new pid) rejoins."""
+        while not self._stopping.wait(HEALTH_SECONDS):
+            for replica in self.replicas:
+                try:
+                    state = ray.get(replica.actor.ready.remote(), timeout=5)
+                except Exception:
+                    self._down(replica, "no answer to the health check")
+                    continue
+                if state["status"] != "ready":
+                    continue
+                if replica.pid is not None and state["pid"] != replica.pid:
+                    replica.restarts += 1
+                    self.event({"event": "replica_restarted", "replica": replica.name, "pid": state["pid"], "restarts": replica.restarts})
+                if not replica.ready:
+                    self.event({"event": "replica_ready", "replica": replica.name, "pid": state["pid"]})
+                replica.ready, replica.pid = True, state["pid"]
+
+    def _down(self, replica: Replica, why: str) -> None:
+        if replica.ready:
+            replica.ready = False
+            self.event({"event": "replica_down", "replica": replica.name, "why": why})
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
+               draft: str | None = None, request_id: str | None = None, max_tokens: int | None = None,
+               notify: Callable[[], None] | None = None, stream: bool = False) -> RemoteHandle:
+        """Queue a request on a replica (as :meth:`ServingCore.submit`; the same errors)."""
+        if not self.ready:
+            raise Unavailable(f"not ready: {self.error or 'no replica is ready'}; retry when GET /ready answers 200")
+        request = {"prompt": prompt, "params": params, "domain": domain, "train": train, "draft": draft,
+                   "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "max_tokens": max_tokens, "stream": stream}
+        handle = RemoteHandle(self, request["request_id"], notify)
+        self._place(handle, request)
+        threading.Thread(target=self._relay, args=(handle, request), name="onlinespec-relay", daemon=True).start()
+        return handle
+
+    def _place(self, handle: RemoteHandle, request: dict, avoid: Replica | None = None) -> None:
+        """Start the request on the ready replica with the fewest in flight; a full or dead
+        replica passes it on; raise the refusal when none takes it."""
+        refusal: ServeError | None = None
+        tried: set[str] = {avoid.name} if avoid else set()
+        while (replica := self._reserve(tried)) is not None:
+            tried.add(replica.name)
+            generator = replica.actor.generate.remote(request)
+            try:
+                first = ray.get(next(generator))
+            except Exception as err:
+                self._unreserve(replica)
+                if isinstance(err, ray.exceptions.RayTaskError):  # the replica raised (a bug): every replica would
+                    raise Failed(f"replica {replica.name} could not take the request: {err}") from None
+                self._down(replica, f"{type(err).__name__}")  # it died (or is restarting): the next one
+                continue
+            if first == ACCEPTED:
+                handle.generator, handle.replica = generator, replica
+                return
+            self._unreserve(replica)
+            if isinstance(first, Overloaded):  # its queue is full: another may have room
+                refusal = first
+                continue
+            raise first  # the request itself is wrong: every replica would say so
+        raise refusal or Unavailable("no replica could take the request (they are restarting); retry in a few seconds")
+
+    def _reserve(self, tried: set[str]) -> Replica | None:
+        """The ready replica with the fewest requests in flight (the least recently chosen of
+        equals), counted as one more; None when every ready one was tried."""
+        with self._lock:
+            candidates = [r for r in self.replicas if r.ready and r.name not in tried]
+            if not candidates:
+                return None
+            replica = min(candidates, key=lambda r: (r.in_flight, r.chosen))
+            self._chosen += 1
+            replica.in_flight, replica.chosen = replica.in_flight + 1, self._chosen
+            return replica
+
+    def _unreserve(self, replica: Replica) -> None:
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+
+    def _relay(self, handle: RemoteHandle, request: dict) -> None:
+        """Pass a replica's events to the handle until the last one. A replica lost before any
+        of the answer was sent hands the request to another, once; after, the request fails."""
+        for attempt in range(2):
+            replica = handle.replica
+            try:
+                self._pump(handle, replica)
+                return
+            except ray.exceptions.RayTaskError as err:  # the replica raised (a bug), it did not die
+                handle.emit(Failed(f"replica {replica.name} failed serving the request: {err}"))
+                return
+            except Exception as err:  # it died, or is restarting
+                if handle.cancelled:
+                    return
+                self._down(replica, f"{type(err).__name__} while serving")
+                lost = err
+            finally:
+                self._unreserve(replica)
+            if handle.sent or attempt:
+                break
+            try:
+                self._place(handle, request, avoid=replica)
+            except ServeError as refusal:
+                handle.emit(refusal)
+                return
+            self.event({"event": "request_retried", "id": handle.request_id, "from": replica.name, "to": handle.replica.name})
+        handle.emit(Unavailable(f"replica {replica.name} stopped while serving this request ({type(lost).__name__}); "
+                                "send it again: the other replicas serve on, and it restarts"))
+
+    def _pump(self, handle: RemoteHandle, replica: Replica) -> None:
+        for ref in handle.generator:
+            event = ray.get(ref)
+            handle.sent = handle.sent or not isinstance(event, (Served, ServeError))
+            handle.emit(event)
+            if isinstance(event, (Served, ServeError)):
+                replica.served += isinstance(event, Served)
+                return
+        if not handle.done:
+            handle.emit(Failed("the replica ended the request without an answer; send it again"))
+
+    # ---- operators -------------------------------------------------------------------------------
+
+    def _ready_replicas(self) -> list[Replica]:
+        return [r for r in self.replicas if r.ready]
+
+    def _replica_states(self) -> list[dict]:
+        states = []
+        for replica in self.replicas:
+            row = {"name": replica.name, "ready": replica.ready, "pid": replica.pid, "in_flight": replica.in_flight,
+                   "restarts": replica.restarts, "served": replica.served}
+            if replica.ready:
+                try:
+                    row.update(ray.get(replica.actor.state.remote(), timeout=10))
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {err}"
+            states.append(row)
+        return states
+
+    def _learner_call(self, method: str, *args, group: int | None = None) -> list:
+        learners = self.learners if group is None else [self.learners[group]]
+        try:
+            return ray.get([getattr(learner, method).remote(*args) for learner in learners], timeout=CALL_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise Unavailable(f"the learner actors did not answer within {CALL_TIMEOUT:g} s (restarting?); retry") from None
+
+    def drafts(self) -> list[dict]:
+        """Every draft (as the single-process server lists them) with the version each replica
+        serves, then the replicas and the learner actors."""
+        replicas = self._replica_states()
+        rows = [row for rows in (self._learner_call("drafts") if self.learners else []) for row in rows]
+        for row in rows:
+            row["replicas"] = {r["name"]: r.get("versions", {}).get(row["name"]) for r in replicas}
+            suffix = {r["name"]: r["suffix_index"][row["name"]] for r in replicas if row["name"] in r.get("suffix_index", {})}
+            if suffix:
+                row["suffix_index"] = suffix
+        baselines = next((r["baselines"] for r in replicas if "baselines" in r), [])
+        return rows + baselines
+
+    def replica_rows(self) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in ("baselines", "governance", "suffix_index")} for r in self._replica_states()]
+
+    def learning(self) -> dict:
+        states = self._learner_call("learning") if self.learners else []
+        return {"learning": self.config.learning, "paused": any(s["paused"] for s in states), "busy": any(s["busy"] for s in states),
+                "replicas": {r.name: r.ready for r in self.replicas}}
+
+    def governance(self) -> dict:
+        """The learner actors' records, with the replicas' suffix indices and opt-outs."""
+        total: dict = {}
+        for part in self._learner_call("governance") if self.learners else []:
+            for key, value in part.items():
+                if key.startswith("suffix_") or key == "refused_opt_out":
+                    continue
+                total[key] = value if key == "retention_seconds" else total.get(key, 0) + value
+        for state in self._replica_states():
+            for key in ("suffix_requests_held", "suffix_tokens_held", "refused_opt_out"):
+                total[key] = total.get(key, 0) + state.get("governance", {}).get(key, 0)
+        return total
+
+    def routing(self) -> dict:
+        return {}
+
+    def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
+        """As :meth:`ServingCore.operate`, through the learner actors; a rollback or a pin is
+        served by every ready replica when this returns."""
+        if not self.config.learning:
+            raise ServeError("this server does not learn (started with --static or --draft none)", code="not_learning")
+        if action in ("pause", "resume"):
+            self._learner_call("operate", action)
+            result = self.learning()
+        else:
+            if name is None:
+                raise ServeError(f"{action} needs a draft name")
+            result = self._learner_call("operate", action, name, version, group=group_of(name, len(self.learners)))[0]
+            if isinstance(result, ServeError):
+                raise NotFound(result.message, param="draft") if result.message.startswith("no learning draft") else result
+            if action in ("rollback", "pin"):
+                served = ray.get([r.actor.follow.remote() for r in self._ready_replicas()], timeout=CALL_TIMEOUT)
+                result["replicas"] = {r.name: s.get(name) for r, s in zip(self._ready_replicas(), served)}
+        self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
+        return result
+
+    def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
+        if (request_id is None) == (older_than_days is None):
+            raise ServeError("give exactly one of request_id and older_than_days", code="invalid_purge")
+        if older_than_days is not None and not older_than_days >= 0:
+            raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
+        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        removed = sum(self._learner_call("purge", request_id, before)) if self.learners else 0
+        replicas = self._ready_replicas()
+        if len(replicas) < len(self.replicas):
+            raise Unavailable("a replica is restarting: its suffix index could not be purged; retry when all are ready "
+                              f"({removed} records were deleted)")
+        answers = ray.get([r.actor.purge.remote(request_id, older_than_days) for r in replicas], timeout=CALL_TIMEOUT)
+        with self._events_lock:
+            self._events.close()
+            try:
+                drop_events(self.out_dir / "events.jsonl", request_id, before)
+            finally:
+                self._events = open(self.out_dir / "events.jsonl", "a")
+        indexed = sum(a["suffix_requests_deleted"] for a in answers)
+        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
+                    "suffix_requests": indexed})
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+
+    def event(self, event: dict) -> None:
+        event = {**event, "time": event.get("time", time.time())}
+        with self._events_lock:
+            if not self._events.closed:
+                try:
+                    self._events.write(json.dumps(event) + "\n")
+                    self._events.flush()
+                except OSError:
+                    pass
+
+
+class _ClusterMetrics:
+    """``/metrics`` of the front: every ready replica's metrics with a ``replica`` label, and
+    the front's own (replicas ready, restarts)."""
+
+    def __init__(self, core: RayCore) -> None:
+        self.core = core
+        self.registry = CollectorRegistry()
+        self.ready = Gauge(PREFIX + "replicas_ready", "Serving replicas in rotation", registry=self.registry)
+        self.restarts = Gauge(PREFIX + "replica_restarts", "Times Ray restarted a replica", ("replica",), registry=self.registry)
+
+    def text(self) -> str:
+        self.ready.set(sum(r.ready for r in self.core.replicas))
+        for replica in self.core.replicas:
+            self.restarts.labels(replica.name).set(replica.restarts)
+        parts = [generate_latest(self.registry).decode()]
+        replicas = [r for r in self.core.replicas if r.ready]
+        texts = []
+        for replica in replicas:
+            try:
+                texts.append((replica.name, ray.get(replica.actor.metrics.remote(), timeout=5)))
+            except Exception:
+                continue
+        parts.append(label_replicas(texts))
+        return "".join(parts)
+
+
+def label_replicas(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of several replicas as one, each sample labelled with its replica."""
+    families: dict[str, tuple] = {}
+    for replica, text in texts:
+        for family in text_string_to_metric_families(text):
+            _, _, samples = families.setdefault(family.name, (family.type, family.documentation, []))
+            samples += [(s.name, {**s.labels, "replica": replica}, s.value) for s in family.samples]
+    lines = []
+    for name, (kind, doc, samples) in families.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        for sample, labels, value in samples:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            lines.append(f"{sample}{{{inner}}} {value!r}" if math.isfinite(value) else f"{sample}{{{inner}}} {value}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

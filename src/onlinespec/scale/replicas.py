@@ -1,0 +1,123 @@
+"""A serving replica: one whole :class:`~onlinespec.serve.core.ServingCore` in a Ray actor.
+
+Its drafts learn through the learner actors (:class:`~onlinespec.scale.learners.RemoteLearner`):
+a request is answered once its records are on the learner actor's disk, and the replica serves
+the version its registry's CURRENT names (pushed after each publication, checked every second).
+Its event log, lock and suffix indices are its own (``<out-dir>/replicas/<name>/``,
+``suffix-index.<name>.safetensors``): a replica's suffix index learns the traffic it served.
+
+``generate`` streams a request's events (its acceptance first, then what the core emits) to the
+front; a front that cancels the stream (its client went away) cancels the request here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+import torch
+
+from onlinespec.online.registry import DraftRegistry
+from onlinespec.scale.learners import RemoteLearner, group_of
+from onlinespec.serve.core import CoreConfig, Served, ServeError, ServingCore
+
+ACCEPTED = "accepted"  # a stream's first item when the replica queued the request
+
+
+class ReplicaService:
+    def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int) -> None:
+        torch.set_num_threads(threads)
+        handler = logging.StreamHandler(sys.stderr)  # request log lines, as the single-process server writes them
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests_log = logging.getLogger("onlinespec.requests")
+        requests_log.addHandler(handler)
+        requests_log.setLevel(logging.INFO)
+        requests_log.propagate = False
+        self.replica, self.learners = replica, learners
+        self.core = ServingCore(config, out_dir, replica=replica, learners=self._learner if config.learning else None)
+        self.core.load()
+        # model work off the engine thread (loading a published version) runs here, on one torch thread
+        self._side = ThreadPoolExecutor(1, thread_name_prefix="onlinespec-follow", initializer=torch.set_num_threads, initargs=(1,))
+
+    def _learner(self, name: str, proposer) -> RemoteLearner:
+        actor = self.learners[group_of(name, len(self.learners))]
+        return RemoteLearner(name, proposer, actor, DraftRegistry(Path(self.core.out_dir) / "drafts" / name), self.core.config.learner,
+                             on_event=lambda event: self.core._learner_event({**event, "draft": name}))
+
+    async def ready(self) -> dict:
+        core = self.core
+        return {"replica": self.replica, "pid": os.getpid(), "status": core.status, "context": core.context,
+                "started_at": core.started_at, "node": ray.get_runtime_context().get_node_id()}
+
+    async def generate(self, request: dict):
+        """Submit a request and stream its events: ACCEPTED (or the error that refused it), then
+        the core's :class:`Delta` s and its :class:`Served` or :class:`ServeError`."""
+        loop, wake = asyncio.get_running_loop(), asyncio.Event()
+
+        def notify() -> None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop is gone (the actor is stopping)
+                pass
+
+        try:
+            handle = await asyncio.to_thread(self.core.submit, notify=notify, **request)
+        except ServeError as err:
+            yield err
+            return
+        yield ACCEPTED
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                while not handle.events.empty():
+                    event = handle.events.get_nowait()
+                    yield event
+                    if isinstance(event, (Served, ServeError)):
+                        return
+        finally:
+            if not handle.done:  # the front cancelled the stream: its client went away
+                handle.cancel()
+
+    async def follow(self) -> dict:
+        """Serve every draft's CURRENT now (a publication or a rollback); what each draft serves."""
+        await asyncio.get_running_loop().run_in_executor(self._side, self._follow)
+        return self.versions()
+
+    def _follow(self) -> None:
+        for learner in self.core.pool.learners:
+            learner.follow_registry()
+
+    def versions(self) -> dict:
+        """The version each draft serves (the registry's CURRENT from its next step on)."""
+        return {name: getattr(draft.learner, "_current", None) or draft.version for name, draft in self.core.pool.drafts.items()}
+
+    async def state(self) -> dict:
+        """What the front's admin API shows of this replica."""
+        core = self.core
+        suffix = {n: d.suffix.stats() for n, d in core.pool.drafts.items() if d.suffix is not None}
+        baselines = [{"name": n, "version": d.version, "learning": False} for n, d in core.baselines.items()]
+        return {"replica": self.replica, "pid": os.getpid(), "status": core.status, "versions": self.versions(),
+                "suffix_index": suffix, "baselines": baselines, "governance": core.governance(), "served": core._served}
+
+    async def metrics(self) -> str:
+        text = self.core.metrics.text()
+        return text.decode() if isinstance(text, bytes) else text
+
+    async def purge(self, request_id: str | None, older_than_days: float | None) -> dict:
+        return await asyncio.to_thread(self.core.purge, request_id, older_than_days)
+
+    async def shutdown(self, drain_seconds: float) -> None:
+        await asyncio.to_thread(self.core.shutdown, drain_seconds)
+
+
+def replica_actor(cpus: float):
+    """The Ray actor class of :class:`ReplicaService`: restarted by Ray when its process dies
+    (it serves CURRENT again); a request in flight then fails, and is never retried by Ray (the
+    front decides: a request that sent nothing yet goes to another replica)."""
+    return ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=cpus)(ReplicaService)
