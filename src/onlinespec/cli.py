@@ -339,6 +339,7 @@ def demo(
     concurrency: Annotated[int, typer.Option(min=1, help="requests in flight")] = 4,
     target: TargetOpt = CoreConfig.target,
     out_dir: Annotated[Path, typer.Option(help="stream, server output (buffers, registries, event log), results and report")] = Path("runs/demo"),
+    replicas: Annotated[Optional[int], typer.Option(min=1, help="serve from N replicas on a local Ray cluster, one learner actor fed by all (docs/scale.md)")] = None,
 ) -> None:
     """The main job on the embedded default: start `onlinespec serve` on 127.0.0.1 and send it a
     real query stream with domain shifts through the `openai` client, several requests in flight.
@@ -364,7 +365,10 @@ def demo(
     admin_key = secrets.token_hex(16)
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
             "--admin-key", admin_key, "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens)]
+    if replicas:
+        args += ["--replicas", str(replicas)]
     title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"
+    title += f", {replicas} replicas on Ray" if replicas else ""
     config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every)
     (out_dir / "run").mkdir(parents=True)
     console.print(f"starting `onlinespec serve {shlex.join(a if a != admin_key else '***' for a in args)}` (log: {out_dir / 'run' / 'server.log'})")

@@ -48,14 +48,16 @@ def test_target_alone_matches_hf_generate(target, prompts, reference):
         assert hf[0, len(ids):].tolist() == ours
 
 
-@pytest.mark.parametrize("draft, k, adaptive", [("ngram", 4, False), ("target-layers:4", 3, False), ("hybrid", 4, True), ("head", 3, False)])
-def test_greedy_speculative_is_identical(target, prompts, reference, draft, k, adaptive):
+@pytest.mark.parametrize("draft, k, adaptive, every", [("ngram", 4, False, 1), ("target-layers:4", 3, False, 3), ("hybrid", 4, True, 1),
+                                                       ("head", 3, False, 1)])
+def test_greedy_speculative_is_identical(target, prompts, reference, draft, k, adaptive, every):
     """``hybrid`` / ``head``: the packaged feature head (features read from the verification pass),
-    with the adaptive-k policy on the measured verify-cost curve for ``hybrid``."""
+    with the adaptive-k policy on the measured verify-cost curve for ``hybrid``. The draft LM
+    (4 of the target's layers, the slowest to run on a CPU) gets every third prompt."""
     options = engine_options(target, k, pad=True, adaptive=True) if adaptive else {}
     decoder = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(draft, target).proposer, k=k, **options)
     accepted = 0
-    for prompt, expected in zip(prompts, reference):
+    for prompt, expected in list(zip(prompts, reference))[::every]:
         out = decoder.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW_TOKENS))
         accepted += out.stats.accepted
         if out.token_ids != expected:

@@ -42,7 +42,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.storage import OutDirLock, drop_events
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
-from onlinespec.serve.core import (CoreConfig, Events, Failed, LoadFailed, NotFound, Overloaded, Served, ServeError,
+from onlinespec.serve.core import (CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError,
                                    Unavailable)
 from onlinespec.serve.metrics import PREFIX
 from onlinespec.tokens import Prompt
@@ -153,6 +153,8 @@ class RayCore:
         except Exception as err:
             self.status, self.error = "failed", f"{type(err).__name__}: {err}"
             self.event({"event": "load_failed", "error": self.error})
+            if self._started_ray and ray.is_initialized():
+                ray.shutdown()  # else this process would wait for a cluster that is gone, then exit
             return
         finally:
             loaded.set()
@@ -352,12 +354,12 @@ class RayCore:
             states.append(row)
         return states
 
-    def _learner_call(self, method: str, *args, group: int | None = None) -> list:
+    def _learner_call(self, method: str, *args, group: int | None = None, timeout: float = CALL_TIMEOUT) -> list:
         learners = self.learners if group is None else [self.learners[group]]
         try:
-            return ray.get([getattr(learner, method).remote(*args) for learner in learners], timeout=CALL_TIMEOUT)
+            return ray.get([getattr(learner, method).remote(*args) for learner in learners], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise Unavailable(f"the learner actors did not answer within {CALL_TIMEOUT:g} s (restarting?); retry") from None
+            raise Unavailable(f"the learner actors did not answer within {timeout:g} s (restarting?); retry") from None
 
     def drafts(self) -> list[dict]:
         """Every draft (as the single-process server lists them) with the version each replica
@@ -376,9 +378,16 @@ class RayCore:
         return [{k: v for k, v in r.items() if k not in ("baselines", "governance", "suffix_index")} for r in self._replica_states()]
 
     def learning(self) -> dict:
-        states = self._learner_call("learning") if self.learners else []
+        """Whether the learners learn (GET /ready shows it: a learner restarting never makes the
+        front unready, its replicas serve on)."""
+        replicas = {r.name: r.ready for r in self.replicas}
+        try:
+            states = self._learner_call("learning", timeout=5) if self.learners else []
+        except Unavailable:
+            return {"learning": self.config.learning, "paused": None, "busy": None, "learners": "not answering (restarting?)",
+                    "replicas": replicas}
         return {"learning": self.config.learning, "paused": any(s["paused"] for s in states), "busy": any(s["busy"] for s in states),
-                "replicas": {r.name: r.ready for r in self.replicas}}
+                "replicas": replicas}
 
     def governance(self) -> dict:
         """The learner actors' records, with the replicas' suffix indices and opt-outs."""
@@ -409,7 +418,7 @@ class RayCore:
                 raise ServeError(f"{action} needs a draft name")
             result = self._learner_call("operate", action, name, version, group=group_of(name, len(self.learners)))[0]
             if isinstance(result, ServeError):
-                raise NotFound(result.message, param="draft") if result.message.startswith("no learning draft") else result
+                raise result
             if action in ("rollback", "pin"):
                 served = ray.get([r.actor.follow.remote() for r in self._ready_replicas()], timeout=CALL_TIMEOUT)
                 result["replicas"] = {r.name: s.get(name) for r, s in zip(self._ready_replicas(), served)}

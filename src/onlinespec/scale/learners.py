@@ -38,7 +38,7 @@ from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.storage import OutDirLock
 from onlinespec.routing import Router
-from onlinespec.serve.core import CoreConfig, ServeError, operate
+from onlinespec.serve.core import CoreConfig, NotFound, ServeError, operate
 from onlinespec.tokens import tokenizer_fingerprint
 
 log = logging.getLogger("onlinespec.scale")
@@ -172,7 +172,7 @@ class LearnerService:
         value (a :class:`ServeError`), so that the front maps it to its HTTP status."""
         try:
             if name is not None and name not in self.pool.drafts:
-                raise ServeError(f"no learning draft {name!r}; drafts: {sorted(self.pool.drafts) or 'none yet'}")
+                raise NotFound(f"no learning draft {name!r}; drafts: {sorted(self.pool.drafts) or 'none yet'}", param="draft")
             result = operate(self.pool, action, name, version)
         except ServeError as err:
             return err
@@ -262,11 +262,13 @@ class RemoteLearner:
                 current = self.registry.current()
                 if not current or current in (self._current, self._unloadable) or current not in self.registry.versions():
                     return None
+            except OSError:  # a moment's trouble reading the registry: the next call looks again
+                return None
+            try:
                 model = load_version(self.proposer.model, self.registry, current)
             except Exception as err:
-                if "current" in locals() and current:
-                    self._unloadable = current
-                log.error("draft %s: the registry's current version could not be served (%s); serving %s", self.name, err, self._current)
+                self._unloadable = current
+                log.error("draft %s: CURRENT names %s, which could not be served (%s); serving %s", self.name, current, err, self._current)
                 return None
             self.proposer.swap_model(model, current)
             self._current = current

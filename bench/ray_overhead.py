@@ -1,0 +1,120 @@
+"""What Ray itself costs: the same requests through `onlinespec serve` in one process and on Ray.
+
+Three servers on the real default target, one at a time on this machine, each sent the same
+held-out requests from the real `openai` client (streamed, greedy, N in flight), drafts kept
+static so that every server serves the same draft: the single-process server, `--replicas 1`
+(the same serving core in one Ray actor behind the same app: the cost of Ray itself) and
+`--replicas 2` (two cores, each with half the CPUs). The single-process server and `--replicas 1`
+run twice, interleaved (single, ray-1, ray-2, single, ray-1), so that drift of the machine shows.
+
+    python bench/ray_overhead.py                  # 48 requests, 4 in flight, 32 tokens (~10 min here)
+    python bench/ray_overhead.py --report-only    # rewrite the PNG from the JSON
+
+Writes docs/ray-overhead.json and docs/ray-overhead.png; docs/scale.md quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import held_out, run_level, send  # noqa: E402
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+SERVERS = {"single": ["--static"], "ray-1": ["--static", "--replicas", "1"], "ray-2": ["--static", "--replicas", "2"]}
+ORDER = ("single", "ray-1", "ray-2", "single", "ray-1")
+
+
+def serve(name: str, args, queries, work: Path, round_: int) -> dict:
+    import openai
+
+    from onlinespec.serve.server import ServerProcess
+
+    out = work / f"{name}-{round_}"
+    server_args = [*SERVERS[name], "--out-dir", str(out), "--max-batch", str(args.concurrency), "--max-waiting", str(len(queries)),
+                   "--default-max-tokens", str(args.max_tokens)]
+    print(f"[{name} #{round_}] onlinespec serve {' '.join(server_args)}", flush=True)
+    started = time.perf_counter()
+    with ServerProcess(server_args, log=work / f"{name}-{round_}.log") as server:
+        ready = time.perf_counter() - started
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        for q in queries[:4]:  # warm-up, not measured
+            send(client, model, q, 8)
+        level = run_level(client, model, queries, args.max_tokens, args.concurrency)
+    print(f"[{name} #{round_}] {level['tokens_per_s']:.2f} tok/s, p50 {level['latency_p50_s']:.2f} s, errors {level['errors']}, "
+          f"ready in {ready:.0f} s", flush=True)
+    return {**level, "ready_s": ready}
+
+
+def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
+    from onlinespec.benchmark import machine_info
+
+    by = {name: [r for n, r in runs if n == name] for name in SERVERS}
+    base = by["single"][0]["texts"]
+    identical = {f"{n}#{i}": sum(r["texts"][q.id] == base[q.id] for q in queries) for n, rs in by.items() for i, r in enumerate(rs)}
+    rates = {name: [r["tokens_per_s"] for r in rs] for name, rs in by.items()}
+    pairs = list(zip(by["single"], by["ray-1"]))  # round i of each
+    return {
+        "command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
+        "config": {"n": len(queries), "concurrency": args.concurrency, "max_new_tokens": args.max_tokens, "servers": SERVERS, "order": ORDER},
+        "tokens_per_s": rates,
+        "ray-1/single": {"per_round": [b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs],
+                         "median": statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs),
+                         "latency_p50_per_round": [b["latency_p50_s"] / a["latency_p50_s"] for a, b in pairs]},
+        "ray-2/single": by["ray-2"][0]["tokens_per_s"] / statistics.median(rates["single"]),
+        "ready_s": {name: [r["ready_s"] for r in rs] for name, rs in by.items()},
+        "errors": {name: sum(r["errors"] for r in rs) for name, rs in by.items()},
+        "identical_to_first_single": identical,
+        "runs": [{"server": n, **{k: v for k, v in r.items() if k != "texts"}} for n, r in runs],
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    runs = summary["runs"]
+    colours = {"single": "#4c72b0", "ray-1": "#dd8452", "ray-2": "#55a868"}
+    ax.bar(range(len(runs)), [r["tokens_per_s"] for r in runs], color=[colours[r["server"]] for r in runs])
+    ax.set_xticks(range(len(runs)), [f"{r['server']}\n(run {i + 1})" for i, r in enumerate(runs)])
+    ax.set_ylabel("tokens/s (all requests, wall clock)")
+    c = summary["config"]
+    ax.set_title(f"Ray's cost: {c['n']} requests, {c['concurrency']} in flight, {c['max_new_tokens']} tokens; "
+                 f"ray-1/single {summary['ray-1/single']['median']:.3f}x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--work", type=Path, default=Path("runs/ray-overhead"))
+    parser.add_argument("--out", type=Path, default=DOCS / "ray-overhead", help="writes OUT.json and OUT.png")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    path = args.out.with_suffix(".json")
+    if not args.report_only:
+        queries = held_out(args.n)
+        args.work.mkdir(parents=True, exist_ok=True)
+        runs = [(name, serve(name, args, queries, args.work, i)) for i, name in enumerate(ORDER)]
+        path.write_text(json.dumps(summarize(runs, args, queries), indent=2))
+    summary = json.loads(path.read_text())
+    plot(summary, args.out.with_suffix(".png"))
+    r = summary["ray-1/single"]
+    print(f"ray-1/single tokens/s: {r['median']:.3f}x (rounds {', '.join(f'{x:.3f}' for x in r['per_round'])}); "
+          f"ray-2/single {summary['ray-2/single']:.3f}x; identical {summary['identical_to_first_single']}; errors {summary['errors']}")
+
+
+if __name__ == "__main__":
+    main()
