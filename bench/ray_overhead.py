@@ -7,7 +7,7 @@ static so that every server serves the same draft: the single-process server, `-
 `--replicas 2` (two cores, each with half the CPUs). The single-process server and `--replicas 1`
 run twice, interleaved (single, ray-1, ray-2, single, ray-1), so that drift of the machine shows.
 
-    python bench/ray_overhead.py                  # 48 requests, 4 in flight, 32 tokens (~10 min here)
+    python bench/ray_overhead.py                  # 48 requests, 8 in flight, batches of 4, 32 tokens (~11 min here)
     python bench/ray_overhead.py --report-only    # rewrite the PNG from the JSON
 
 Writes docs/ray-overhead.json and docs/ray-overhead.png; docs/scale.md quotes them.
@@ -30,13 +30,33 @@ SERVERS = {"single": ["--static"], "ray-1": ["--static", "--replicas", "1"], "ra
 ORDER = ("single", "ray-1", "ray-2", "single", "ray-1")
 
 
+def send_whole(client, model: str, query, max_tokens: int) -> dict:
+    """One greedy request answered whole (no stream): what the client saw, in send()'s shape."""
+    started = time.perf_counter()
+    error, text, tokens = None, "", 0
+    try:
+        kwargs = dict(model=model, max_tokens=max_tokens, temperature=0, extra_body={"domain": query.domain})
+        if query.messages:
+            response = client.chat.completions.create(messages=list(query.messages), **kwargs)
+            text = response.choices[0].message.content
+        else:
+            response = client.completions.create(prompt=query.prompt, **kwargs)
+            text = response.choices[0].text
+        tokens = response.usage.completion_tokens
+    except Exception as err:  # counted, never hidden
+        error = f"{type(err).__name__}: {err}"
+    end = time.perf_counter()
+    return {"id": query.id, "text": text, "latency_s": end - started, "ttft_s": end - started, "tokens": tokens, "error": error,
+            "start": started, "end": end}
+
+
 def serve(name: str, args, queries, work: Path, round_: int) -> dict:
     import openai
 
     from onlinespec.serve.server import ServerProcess
 
     out = work / f"{name}-{round_}"
-    server_args = [*SERVERS[name], "--out-dir", str(out), "--max-batch", str(args.concurrency), "--max-waiting", str(len(queries)),
+    server_args = [*SERVERS[name], "--out-dir", str(out), "--max-batch", str(args.max_batch), "--max-waiting", str(len(queries)),
                    "--default-max-tokens", str(args.max_tokens)]
     print(f"[{name} #{round_}] onlinespec serve {' '.join(server_args)}", flush=True)
     started = time.perf_counter()
@@ -46,6 +66,10 @@ def serve(name: str, args, queries, work: Path, round_: int) -> dict:
         model = client.models.list().data[0].id
         for q in queries[:4]:  # warm-up, not measured
             send(client, model, q, 8)
+        if args.whole:
+            import serve_load
+
+            serve_load.send = send_whole  # run_level sends through it
         level = run_level(client, model, queries, args.max_tokens, args.concurrency)
     print(f"[{name} #{round_}] {level['tokens_per_s']:.2f} tok/s, p50 {level['latency_p50_s']:.2f} s, errors {level['errors']}, "
           f"ready in {ready:.0f} s", flush=True)
@@ -62,12 +86,13 @@ def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
     pairs = list(zip(by["single"], by["ray-1"]))  # round i of each
     return {
         "command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-        "config": {"n": len(queries), "concurrency": args.concurrency, "max_new_tokens": args.max_tokens, "servers": SERVERS, "order": ORDER},
+        "config": {"n": len(queries), "concurrency": args.concurrency, "max_batch": args.max_batch, "max_new_tokens": args.max_tokens, "servers": SERVERS, "order": args.order.split(","),
+                   "streamed": not args.whole},
         "tokens_per_s": rates,
         "ray-1/single": {"per_round": [b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs],
                          "median": statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in pairs),
                          "latency_p50_per_round": [b["latency_p50_s"] / a["latency_p50_s"] for a, b in pairs]},
-        "ray-2/single": by["ray-2"][0]["tokens_per_s"] / statistics.median(rates["single"]),
+        "ray-2/single": by["ray-2"][0]["tokens_per_s"] / statistics.median(rates["single"]) if by["ray-2"] else None,
         "ready_s": {name: [r["ready_s"] for r in rs] for name, rs in by.items()},
         "errors": {name: sum(r["errors"] for r in rs) for name, rs in by.items()},
         "identical_to_first_single": identical,
@@ -88,7 +113,8 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xticks(range(len(runs)), [f"{r['server']}\n(run {i + 1})" for i, r in enumerate(runs)])
     ax.set_ylabel("tokens/s (all requests, wall clock)")
     c = summary["config"]
-    ax.set_title(f"Ray's cost: {c['n']} requests, {c['concurrency']} in flight, {c['max_new_tokens']} tokens; "
+    ax.set_title(f"Ray's cost: {c['n']} requests, {c['concurrency']} in flight, batches of {c.get('max_batch', c['concurrency'])}, "
+                 f"{c['max_new_tokens']} tokens; "
                  f"ray-1/single {summary['ray-1/single']['median']:.3f}x", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -97,23 +123,26 @@ def plot(summary: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (more than --max-batch: a queue keeps every batch full)")
+    parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path("runs/ray-overhead"))
     parser.add_argument("--out", type=Path, default=DOCS / "ray-overhead", help="writes OUT.json and OUT.png")
+    parser.add_argument("--whole", action="store_true", help="answers whole instead of streamed (one relayed event per request)")
+    parser.add_argument("--order", default=",".join(ORDER), help="the servers to run, in order")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     path = args.out.with_suffix(".json")
     if not args.report_only:
         queries = held_out(args.n)
         args.work.mkdir(parents=True, exist_ok=True)
-        runs = [(name, serve(name, args, queries, args.work, i)) for i, name in enumerate(ORDER)]
+        runs = [(name, serve(name, args, queries, args.work, i)) for i, name in enumerate(args.order.split(","))]
         path.write_text(json.dumps(summarize(runs, args, queries), indent=2))
     summary = json.loads(path.read_text())
     plot(summary, args.out.with_suffix(".png"))
     r = summary["ray-1/single"]
     print(f"ray-1/single tokens/s: {r['median']:.3f}x (rounds {', '.join(f'{x:.3f}' for x in r['per_round'])}); "
-          f"ray-2/single {summary['ray-2/single']:.3f}x; identical {summary['identical_to_first_single']}; errors {summary['errors']}")
+          f"ray-2/single {summary['ray-2/single'] or 0:.3f}x; identical {summary['identical_to_first_single']}; errors {summary['errors']}")
 
 
 if __name__ == "__main__":

@@ -213,3 +213,10 @@ def test_data_purge_refuses_a_folder_a_server_holds(tmp_path):
     assert result.exit_code == 2 and "in use by another process" in " ".join(result.output.split())
     result = runner.invoke(app, ["data", "purge", "--out-dir", str(tmp_path)])
     assert result.exit_code == 2 and "exactly one of" in result.output
+
+
+def test_serve_with_replicas_refuses_content_routing_before_starting_anything(tmp_path):
+    result = runner.invoke(app, ["serve", "--replicas", "2", "--router", "content", "--out-dir", str(tmp_path / "run")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "single process" in said and "--router domain" in said
+    assert not (tmp_path / "run").exists()

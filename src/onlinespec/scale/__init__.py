@@ -25,6 +25,11 @@ import os
 # graceful drain) into an abort; usage statistics would try the network.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Read by the raylet of a local cluster: Ray starts its workers at nice 15, and a replica's engine
+# with two OpenMP threads then ran 0.75-0.85x as fast as in a plain process (the threads wait at
+# each barrier for one that a nice-0 process preempted), at nice 0 as fast (docs/scale.md). A
+# learner thread still lowers itself to nice 19 (LearnerConfig.priority).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 from onlinespec.scale.cluster import RayCore, ScaleConfig  # noqa: E402
 

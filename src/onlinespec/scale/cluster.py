@@ -7,9 +7,10 @@
 - starts (or joins, ``address``) a Ray cluster, one learner actor per draft group, then the
   replica actors, each a whole serving core on its own CPUs;
 - sends each request to the ready replica with the fewest requests in flight and relays its
-  events; a replica that dies mid-request fails the request with 503 (send it again), or, when
-  nothing of its answer was sent yet, sends it to another replica; Ray restarts the replica, and
-  a health check every ``HEALTH_SECONDS`` puts it back in rotation;
+  events (one stream per replica carries every request's, batched per engine step); a replica
+  that dies mid-request fails the request with 503 (send it again), or, when nothing of its
+  answer was sent yet, sends it to another replica; Ray restarts the replica, and a health check
+  every ``HEALTH_SECONDS`` puts it back in rotation;
 - fans operators out: learning and rollbacks go to the learner actors (which publish and tell the
   replicas), purges to every learner and replica, ``/metrics`` merges every replica's metrics with a
   ``replica`` label.
@@ -31,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -42,14 +43,13 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.storage import OutDirLock, drop_events
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
-from onlinespec.serve.core import (CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError,
-                                   Unavailable)
+from onlinespec.serve.core import CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
 from onlinespec.serve.metrics import PREFIX
 from onlinespec.tokens import Prompt
 
 log = logging.getLogger("onlinespec.scale")
 
-HEALTH_SECONDS = 1.0  # how often the front checks its replicas (a restarted one rejoins the rotation)
+HEALTH_SECONDS = 2.0  # how often the front checks its replicas (a restarted one rejoins the rotation)
 CALL_TIMEOUT = 60.0  # seconds an operator's call to an actor may take
 
 
@@ -84,26 +84,27 @@ class Replica:
     restarts: int = 0
     served: int = 0
     chosen: int = 0  # when it was last given a request (ties go to the least recent)
+    open: dict = field(default_factory=dict)  # key -> RemoteHandle: the requests it serves now
+    channel: threading.Thread | None = None  # relays its events stream
 
 
 class RemoteHandle(Events):
     """A request a replica serves: its events relayed by the front."""
 
-    def __init__(self, core: RayCore, request_id: str, notify: Callable[[], None] | None) -> None:
+    def __init__(self, core: RayCore, request: dict, notify: Callable[[], None] | None) -> None:
         super().__init__(notify)
-        self.core, self.request_id = core, request_id
-        self.generator = None
+        self.core, self.request, self.request_id = core, request, request["request_id"]
+        self.key = uuid.uuid4().hex  # the front's own name for it (clients may reuse request ids)
         self.replica: Replica | None = None
-        self.cancelled = False
+        self.cancelled = self.retried = False
         self.sent = False  # some of its answer went to the client (a retry elsewhere would repeat it)
 
     def cancel(self) -> None:
         self.cancelled = True
-        if self.generator is not None:
-            try:
-                ray.cancel(self.generator)
-            except Exception:  # already finished
-                pass
+        replica = self.replica
+        if replica is not None and not self.done:
+            replica.actor.cancel.remote(self.key)
+            self.core._detach(self, replica)
 
 
 class RayCore:
@@ -186,6 +187,7 @@ class RayCore:
         for replica, state in zip(self.replicas, ray.get([r.actor.ready.remote() for r in self.replicas])):
             replica.ready, replica.pid = True, state["pid"]
             self.context = state["context"]
+            self._open_channel(replica)
         self.status = "ready"
         self.event({"event": "start", "replicas": names, "learner_groups": scale.learner_groups, "address": scale.address,
                     "replica_cpus": cpus, "learner_cpus": scale.learner_cpus, "learn": config.learning, "draft": config.draft})
@@ -232,7 +234,9 @@ class RayCore:
                     self.event({"event": "replica_restarted", "replica": replica.name, "pid": state["pid"], "restarts": replica.restarts})
                 if not replica.ready:
                     self.event({"event": "replica_ready", "replica": replica.name, "pid": state["pid"]})
-                replica.ready, replica.pid = True, state["pid"]
+                replica.pid = state["pid"]
+                self._open_channel(replica)
+                replica.ready = True
 
     def _down(self, replica: Replica, why: str) -> None:
         if replica.ready:
@@ -249,36 +253,88 @@ class RayCore:
             raise Unavailable(f"not ready: {self.error or 'no replica is ready'}; retry when GET /ready answers 200")
         request = {"prompt": prompt, "params": params, "domain": domain, "train": train, "draft": draft,
                    "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "max_tokens": max_tokens, "stream": stream}
-        handle = RemoteHandle(self, request["request_id"], notify)
-        self._place(handle, request)
-        threading.Thread(target=self._relay, args=(handle, request), name="onlinespec-relay", daemon=True).start()
+        handle = RemoteHandle(self, request, notify)
+        self._place(handle)
         return handle
 
-    def _place(self, handle: RemoteHandle, request: dict, avoid: Replica | None = None) -> None:
-        """Start the request on the ready replica with the fewest in flight; a full or dead
+    def _place(self, handle: RemoteHandle, avoid: Replica | None = None) -> None:
+        """Queue the request on the ready replica with the fewest in flight; a full or dead
         replica passes it on; raise the refusal when none takes it."""
         refusal: ServeError | None = None
         tried: set[str] = {avoid.name} if avoid else set()
         while (replica := self._reserve(tried)) is not None:
             tried.add(replica.name)
-            generator = replica.actor.generate.remote(request)
+            with self._lock:  # filed before it is sent: its first events may come before the answer
+                replica.open[handle.key], handle.replica = handle, replica
             try:
-                first = ray.get(next(generator))
+                answer = ray.get(replica.actor.submit.remote(handle.key, handle.request), timeout=CALL_TIMEOUT)
             except Exception as err:
-                self._unreserve(replica)
+                self._detach(handle, replica)
                 if isinstance(err, ray.exceptions.RayTaskError):  # the replica raised (a bug): every replica would
                     raise Failed(f"replica {replica.name} could not take the request: {err}") from None
                 self._down(replica, f"{type(err).__name__}")  # it died (or is restarting): the next one
                 continue
-            if first == ACCEPTED:
-                handle.generator, handle.replica = generator, replica
+            if answer == ACCEPTED:
                 return
-            self._unreserve(replica)
-            if isinstance(first, Overloaded):  # its queue is full: another may have room
-                refusal = first
+            self._detach(handle, replica)
+            if isinstance(answer, Overloaded):  # its queue is full: another may have room
+                refusal = answer
                 continue
-            raise first  # the request itself is wrong: every replica would say so
+            raise answer  # the request itself is wrong: every replica would say so
         raise refusal or Unavailable("no replica could take the request (they are restarting); retry in a few seconds")
+
+    def _detach(self, handle: RemoteHandle, replica: Replica) -> None:
+        with self._lock:
+            if replica.open.pop(handle.key, None) is not None:
+                replica.in_flight = max(0, replica.in_flight - 1)
+
+    def _open_channel(self, replica: Replica) -> None:
+        if replica.channel is None or not replica.channel.is_alive():
+            replica.channel = threading.Thread(target=self._relay, args=(replica,), name=f"onlinespec-relay-{replica.name}", daemon=True)
+            replica.channel.start()
+
+    def _relay(self, replica: Replica) -> None:
+        """Pass a replica's events to their handles, until its stream ends (it died, or stops)."""
+        lost: Exception | None = None
+        try:
+            for ref in replica.actor.events.remote():
+                for key, events in ray.get(ref):
+                    handle = replica.open.get(key)
+                    if handle is None:  # cancelled meanwhile
+                        continue
+                    for event in events:
+                        handle.sent = handle.sent or not isinstance(event, (Served, ServeError))
+                        handle.emit(event)
+                        if isinstance(event, (Served, ServeError)):
+                            replica.served += isinstance(event, Served)
+                            self._detach(handle, replica)
+        except Exception as err:
+            lost = err
+        if self._stopping.is_set():
+            return
+        self._down(replica, f"its events stream ended ({type(lost).__name__ if lost else 'closed'})")
+        self._lost(replica, lost)
+
+    def _lost(self, replica: Replica, err: Exception | None) -> None:
+        """A replica died with requests in flight: one none of whose answer was sent goes to
+        another replica, once; the others fail (send them again)."""
+        with self._lock:
+            handles, replica.open, replica.in_flight = list(replica.open.values()), {}, 0
+        why = type(err).__name__ if err else "stopped"
+        for handle in handles:
+            if handle.cancelled or handle.done:
+                continue
+            if not handle.sent and not handle.retried:
+                handle.retried = True
+                try:
+                    self._place(handle, avoid=replica)
+                    self.event({"event": "request_retried", "id": handle.request_id, "from": replica.name, "to": handle.replica.name})
+                    continue
+                except ServeError as refusal:
+                    handle.emit(refusal)
+                    continue
+            handle.emit(Unavailable(f"replica {replica.name} stopped while serving this request ({why}); "
+                                    "send it again: the other replicas serve on, and it restarts"))
 
     def _reserve(self, tried: set[str]) -> Replica | None:
         """The ready replica with the fewest requests in flight (the least recently chosen of
@@ -291,50 +347,6 @@ class RayCore:
             self._chosen += 1
             replica.in_flight, replica.chosen = replica.in_flight + 1, self._chosen
             return replica
-
-    def _unreserve(self, replica: Replica) -> None:
-        with self._lock:
-            replica.in_flight = max(0, replica.in_flight - 1)
-
-    def _relay(self, handle: RemoteHandle, request: dict) -> None:
-        """Pass a replica's events to the handle until the last one. A replica lost before any
-        of the answer was sent hands the request to another, once; after, the request fails."""
-        for attempt in range(2):
-            replica = handle.replica
-            try:
-                self._pump(handle, replica)
-                return
-            except ray.exceptions.RayTaskError as err:  # the replica raised (a bug), it did not die
-                handle.emit(Failed(f"replica {replica.name} failed serving the request: {err}"))
-                return
-            except Exception as err:  # it died, or is restarting
-                if handle.cancelled:
-                    return
-                self._down(replica, f"{type(err).__name__} while serving")
-                lost = err
-            finally:
-                self._unreserve(replica)
-            if handle.sent or attempt:
-                break
-            try:
-                self._place(handle, request, avoid=replica)
-            except ServeError as refusal:
-                handle.emit(refusal)
-                return
-            self.event({"event": "request_retried", "id": handle.request_id, "from": replica.name, "to": handle.replica.name})
-        handle.emit(Unavailable(f"replica {replica.name} stopped while serving this request ({type(lost).__name__}); "
-                                "send it again: the other replicas serve on, and it restarts"))
-
-    def _pump(self, handle: RemoteHandle, replica: Replica) -> None:
-        for ref in handle.generator:
-            event = ray.get(ref)
-            handle.sent = handle.sent or not isinstance(event, (Served, ServeError))
-            handle.emit(event)
-            if isinstance(event, (Served, ServeError)):
-                replica.served += isinstance(event, Served)
-                return
-        if not handle.done:
-            handle.emit(Failed("the replica ended the request without an answer; send it again"))
 
     # ---- operators -------------------------------------------------------------------------------
 

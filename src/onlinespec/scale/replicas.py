@@ -6,8 +6,8 @@ the version its registry's CURRENT names (pushed after each publication, checked
 Its event log, lock and suffix indices are its own (``<out-dir>/replicas/<name>/``,
 ``suffix-index.<name>.safetensors``): a replica's suffix index learns the traffic it served.
 
-``generate`` streams a request's events (its acceptance first, then what the core emits) to the
-front; a front that cancels the stream (its client went away) cancels the request here.
+``submit`` queues a request; ``events`` is one long stream, per front, of every open request's new
+events, batched per engine step; ``cancel`` frees a request whose client went away.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from onlinespec.online.registry import DraftRegistry
 from onlinespec.scale.learners import RemoteLearner, group_of
 from onlinespec.serve.core import CoreConfig, Served, ServeError, ServingCore
 
-ACCEPTED = "accepted"  # a stream's first item when the replica queued the request
+ACCEPTED = "accepted"  # submit's answer when the replica queued the request
+GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to send one step's events together
 
 
 class ReplicaService:
@@ -39,6 +40,9 @@ class ReplicaService:
         requests_log.setLevel(logging.INFO)
         requests_log.propagate = False
         self.replica, self.learners = replica, learners
+        self._open: dict[str, object] = {}  # the front's key -> the handle of a request this replica serves
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.core = ServingCore(config, out_dir, replica=replica, learners=self._learner if config.learning else None)
         self.core.load()
         # model work off the engine thread (loading a published version) runs here, on one torch thread
@@ -54,35 +58,49 @@ class ReplicaService:
         return {"replica": self.replica, "pid": os.getpid(), "status": core.status, "context": core.context,
                 "started_at": core.started_at, "node": ray.get_runtime_context().get_node_id()}
 
-    async def generate(self, request: dict):
-        """Submit a request and stream its events: ACCEPTED (or the error that refused it), then
-        the core's :class:`Delta` s and its :class:`Served` or :class:`ServeError`."""
-        loop, wake = asyncio.get_running_loop(), asyncio.Event()
-
-        def notify() -> None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop is gone (the actor is stopping)
-                pass
-
+    async def submit(self, key: str, request: dict):
+        """Queue a request (``key``: the front's name for it); ACCEPTED, or the
+        :class:`ServeError` that refused it. Its events go out through :meth:`events`."""
+        self._loop = asyncio.get_running_loop()
         try:
-            handle = await asyncio.to_thread(self.core.submit, notify=notify, **request)
+            handle = await asyncio.to_thread(self.core.submit, notify=self._notify, **request)
         except ServeError as err:
-            yield err
-            return
-        yield ACCEPTED
+            return err
+        self._open[key] = handle
+        self._wake.set()  # what it emitted before it was filed here goes out too
+        return ACCEPTED
+
+    def _notify(self) -> None:  # the core's threads, after each event of any request
         try:
-            while True:
-                await wake.wait()
-                wake.clear()
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is gone (the actor is stopping)
+            pass
+
+    async def cancel(self, key: str) -> None:
+        """The front's client went away: free the request's slot."""
+        handle = self._open.pop(key, None)
+        if handle is not None and not handle.done:
+            handle.cancel()
+
+    async def events(self):
+        """Every open request's new events, as ``[(key, [event, ...]), ...]``: what one engine
+        step emitted for all of them goes out as one item (each item is an object-store put and
+        a message, about a millisecond here; one per request per step cost streamed requests 10%)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(GATHER_SECONDS)  # the rest of the step's events (the engine emits them in a burst)
+            batch = []
+            for key, handle in list(self._open.items()):
+                events = []
                 while not handle.events.empty():
-                    event = handle.events.get_nowait()
-                    yield event
-                    if isinstance(event, (Served, ServeError)):
-                        return
-        finally:
-            if not handle.done:  # the front cancelled the stream: its client went away
-                handle.cancel()
+                    events.append(handle.events.get_nowait())
+                if events:
+                    batch.append((key, events))
+                    if isinstance(events[-1], (Served, ServeError)):
+                        self._open.pop(key, None)
+            if batch:
+                yield batch
 
     async def follow(self) -> dict:
         """Serve every draft's CURRENT now (a publication or a rollback); what each draft serves."""
@@ -118,6 +136,6 @@ class ReplicaService:
 
 def replica_actor(cpus: float):
     """The Ray actor class of :class:`ReplicaService`: restarted by Ray when its process dies
-    (it serves CURRENT again); a request in flight then fails, and is never retried by Ray (the
+    (it serves CURRENT again); its requests in flight then fail, and are never retried by Ray (the
     front decides: a request that sent nothing yet goes to another replica)."""
     return ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=cpus)(ReplicaService)
