@@ -7,10 +7,11 @@ static so that every server serves the same draft: the single-process server, `-
 `--replicas 2` (two cores, each with half the CPUs). The single-process server and `--replicas 1`
 run twice, interleaved (single, ray-1, ray-2, single, ray-1), so that drift of the machine shows.
 
-    python bench/ray_overhead.py                  # 48 requests, 8 in flight, batches of 4, 32 tokens (~11 min here)
+    python bench/ray_overhead.py                  # 48 streamed requests, 8 in flight, batches of 4, 32 tokens (~11 min here)
+    python bench/ray_overhead.py --whole          # the same, answered whole (the demo's kind of request)
     python bench/ray_overhead.py --report-only    # rewrite the PNG from the JSON
 
-Writes docs/ray-overhead.json and docs/ray-overhead.png; docs/scale.md quotes them.
+Writes docs/ray-overhead-streamed.{json,png} (or -whole); docs/scale.md quotes them.
 """
 
 from __future__ import annotations
@@ -127,11 +128,12 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path("runs/ray-overhead"))
-    parser.add_argument("--out", type=Path, default=DOCS / "ray-overhead", help="writes OUT.json and OUT.png")
+    parser.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.png (default: docs/ray-overhead-streamed or -whole)")
     parser.add_argument("--whole", action="store_true", help="answers whole instead of streamed (one relayed event per request)")
     parser.add_argument("--order", default=",".join(ORDER), help="the servers to run, in order")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
+    args.out = args.out or DOCS / ("ray-overhead-whole" if args.whole else "ray-overhead-streamed")
     path = args.out.with_suffix(".json")
     if not args.report_only:
         queries = held_out(args.n)
