@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +98,51 @@ def drop_events(path: str | os.PathLike[str], request_id: str | None = None, bef
             continue
     atomic_write(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
+
+
+class EventLog:
+    """A process's JSON-lines event log (``events.jsonl``), appended to from any thread. A write
+    that fails (a full disk) loses the line, is counted and logged once: the caller goes on."""
+
+    def __init__(self, path: str | os.PathLike[str], retention_seconds: float | None = None) -> None:
+        """``retention_seconds``: lines older than this go first (on open)."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if retention_seconds is not None:
+            drop_events(self.path, before=time.time() - retention_seconds)
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a")
+
+    def write(self, event: dict) -> dict:
+        """Append ``event`` with its time (now, unless it has one); the line written."""
+        event = {**event, "time": event.get("time", time.time())}
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.write(json.dumps(event) + "\n")
+                    self._file.flush()
+                except OSError as err:
+                    self.failures += 1
+                    if self.failures == 1:
+                        logging.getLogger("onlinespec.serve").error("the event log %s could not be written (%s); serving goes on", self.path, err)
+        return event
+
+    def drop(self, request_id: str | None = None, before: float | None = None) -> int:
+        """:func:`drop_events` on this log while it is open (a purge)."""
+        with self._lock:
+            self._file.close()
+            try:
+                return drop_events(self.path, request_id, before)
+            finally:
+                self._file = open(self.path, "a")
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._file.close()
+            except OSError:  # the buffered tail could not be written (a full disk)
+                self.failures += 1
 
 
 class OutDirBusy(RuntimeError):

@@ -24,7 +24,6 @@ file system (docs/scale.md).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -40,7 +39,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.online.storage import OutDirLock, drop_events
+from onlinespec.online.storage import EventLog, OutDirLock
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.core import CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
@@ -113,8 +112,7 @@ class RayCore:
             raise ValueError("content routing runs in a single process for now: serve replicas with --router domain or single")
         self.config, self.scale, self.out_dir = config, scale or ScaleConfig(), Path(out_dir).resolve()
         self.lock = OutDirLock(self.out_dir).acquire()  # the front holds the out-dir; replicas and learners their folders in it
-        self._events = open(self.out_dir / "events.jsonl", "a")
-        self._events_lock = threading.Lock()
+        self.events = EventLog(self.out_dir / "events.jsonl")
         self.status, self.error, self.context = "starting", None, None
         self.started_at = time.time()
         self.replicas: list[Replica] = []
@@ -214,8 +212,7 @@ class RayCore:
         self._stopped.set()
         if getattr(self, "_thread", None) is not None:
             self._thread.join(60)
-        with self._events_lock:
-            self._events.close()
+        self.events.close()
         self.lock.release()
 
     def _health(self) -> None:
@@ -449,26 +446,14 @@ class RayCore:
             raise Unavailable("a replica is restarting: its suffix index could not be purged; retry when all are ready "
                               f"({removed} records were deleted)")
         answers = ray.get([r.actor.purge.remote(request_id, older_than_days) for r in replicas], timeout=CALL_TIMEOUT)
-        with self._events_lock:
-            self._events.close()
-            try:
-                drop_events(self.out_dir / "events.jsonl", request_id, before)
-            finally:
-                self._events = open(self.out_dir / "events.jsonl", "a")
+        self.events.drop(request_id, before)
         indexed = sum(a["suffix_requests_deleted"] for a in answers)
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
                     "suffix_requests": indexed})
         return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
 
     def event(self, event: dict) -> None:
-        event = {**event, "time": event.get("time", time.time())}
-        with self._events_lock:
-            if not self._events.closed:
-                try:
-                    self._events.write(json.dumps(event) + "\n")
-                    self._events.flush()
-                except OSError:
-                    pass
+        self.events.write(event)
 
 
 class _ClusterMetrics:

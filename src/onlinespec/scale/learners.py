@@ -18,7 +18,6 @@ stored (rebuilt from its buffer on restart) and skips a request it has.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -36,7 +35,7 @@ from onlinespec.online.learner import LearnerConfig, load_version
 from onlinespec.online.pool import DraftPool, learner_row, saved_drafts
 from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.online.storage import OutDirLock
+from onlinespec.online.storage import EventLog, OutDirLock
 from onlinespec.routing import Router
 from onlinespec.serve.core import CoreConfig, NotFound, ServeError, operate
 from onlinespec.tokens import tokenizer_fingerprint
@@ -70,8 +69,7 @@ class LearnerService:
         self.config, self.out_dir, self.group, self.groups, self.replicas = config, Path(out_dir), group, groups, replicas
         self.own_dir = self.out_dir / "learners" / str(group)
         self.lock = OutDirLock(self.own_dir).acquire()  # one live learner actor per group and out-dir
-        self._events = open(self.own_dir / "events.jsonl", "a")
-        self._events_lock = threading.Lock()
+        self.events = EventLog(self.own_dir / "events.jsonl", config.retention_seconds)
         target = load_model(config.target, config.dtype)
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(target.tokenizer)}
 
@@ -105,14 +103,7 @@ class LearnerService:
             self.pool.tick()  # retention, and a CURRENT another process changed
 
     def _event(self, event: dict) -> None:
-        event = {**event, "time": event.get("time", time.time()), "learner_group": self.group}
-        with self._events_lock:
-            if not self._events.closed:
-                try:
-                    self._events.write(json.dumps(event) + "\n")
-                    self._events.flush()
-                except OSError:
-                    pass
+        event = self.events.write({**event, "learner_group": self.group})
         if event["event"] in ("update", "rollback") and event.get("version"):
             self.tell_replicas()
 
@@ -197,8 +188,7 @@ class LearnerService:
         self._stopping.set()
         for learner in self.pool.learners:
             learner.stop(timeout=60)
-        with self._events_lock:
-            self._events.close()
+        self.events.close()
         self.lock.release()
 
 

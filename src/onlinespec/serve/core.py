@@ -52,7 +52,7 @@ from onlinespec.models import LoadedModel, load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.content import ContentConfig
 from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
-from onlinespec.online.storage import OutDirLock, drop_events, kill_point
+from onlinespec.online.storage import EventLog, OutDirLock, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
@@ -285,8 +285,7 @@ class ServingCore:
         self.own_dir = self.out_dir if replica is None else self.out_dir / "replicas" / replica  # its lock and event log
         self.lock = OutDirLock(self.own_dir).acquire()  # OutDirBusy if another process serves from it
         try:
-            self._prune_events()
-            self._events = open(self._events_path, "a")
+            self.events = EventLog(self.own_dir / "events.jsonl", config.retention_seconds)  # lines past retention go now
         except BaseException:
             self.lock.release()
             raise
@@ -295,8 +294,6 @@ class ServingCore:
         self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
         self.error: str | None = None
         self._on_event = on_event
-        self.event_write_failures = 0
-        self._events_lock = threading.Lock()
         self._lock = threading.Lock()
         self._wake = threading.Condition()
         self._handles: dict[int, Handle] = {}
@@ -309,13 +306,8 @@ class ServingCore:
         self.started_at = time.time()
 
     @property
-    def _events_path(self) -> Path:
-        return self.own_dir / "events.jsonl"
-
-    def _prune_events(self) -> None:
-        """With a retention period, event-log lines older than it go (on start)."""
-        if self.config.retention_seconds is not None:
-            drop_events(self._events_path, before=time.time() - self.config.retention_seconds)
+    def event_write_failures(self) -> int:
+        return self.events.failures
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -400,8 +392,7 @@ class ServingCore:
             self._loop_thread.join(300)
         if self.status != "ready":
             self.status = "stopped"
-            with self._events_lock:
-                self._events.close()
+            self.events.close()
             self.lock.release()
             return
         self.status, self._stopping = "draining", True
@@ -425,11 +416,7 @@ class ServingCore:
             learner.stop(timeout=60)
         self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
         self.status = "stopped"
-        with self._events_lock:
-            try:
-                self._events.close()
-            except OSError:  # the buffered tail of the log could not be written (a full disk)
-                self.event_write_failures += 1
+        self.events.close()
         self.lock.release()
 
     # ---- requests --------------------------------------------------------------------------
@@ -729,16 +716,7 @@ class ServingCore:
     # ---- events and operators ---------------------------------------------------------------------
 
     def event(self, event: dict) -> None:
-        event = {**event, "time": event.get("time", time.time())}
-        with self._events_lock:
-            if not self._events.closed:
-                try:
-                    self._events.write(json.dumps(event) + "\n")
-                    self._events.flush()
-                except OSError as err:  # a full disk: the log loses lines, serving goes on
-                    self.event_write_failures += 1
-                    if self.event_write_failures == 1:
-                        logging.getLogger("onlinespec.serve").error("the event log could not be written (%s); serving goes on", err)
+        event = self.events.write(event)  # a full disk: the log loses lines, serving goes on
         if self._on_event is not None:
             self._on_event(event)
 
@@ -807,12 +785,7 @@ class ServingCore:
         indexed = self.pool.suffix_purged
         removed = self.pool.purge(request_id, before)
         indexed = self.pool.suffix_purged - indexed
-        with self._events_lock:  # the event log's lines about it go too (with --log-text they hold its text)
-            self._events.close()
-            try:
-                drop_events(self._events_path, request_id, before)
-            finally:
-                self._events = open(self._events_path, "a")
+        self.events.drop(request_id, before)  # the log's lines about it go too (with --log-text they hold its text)
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
                     "suffix_requests": indexed})
         return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
