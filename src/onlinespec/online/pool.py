@@ -204,10 +204,7 @@ class DraftPool:
     def route(self, domain: str) -> Draft:
         """The draft that serves a request of ``domain`` (created on first use)."""
         with self._lock:
-            name = self.router(domain)
-            if name not in self.drafts:
-                self.drafts[name] = self._create(name)
-            return self.drafts[name]
+            return self.open(self.router(domain))
 
     def _create(self, name: str, start_from: torch.nn.Module | None = None) -> Draft:
         """A draft called ``name``: from its registry's current version if it has one, else from

@@ -79,11 +79,10 @@ class Replica:
     actor: object
     ready: bool = False
     pid: int | None = None
-    in_flight: int = 0
     restarts: int = 0
     served: int = 0
     chosen: int = 0  # when it was last given a request (ties go to the least recent)
-    open: dict = field(default_factory=dict)  # key -> RemoteHandle: the requests it serves now
+    open: dict = field(default_factory=dict)  # key -> RemoteHandle: the requests it serves now (its load)
     channel: threading.Thread | None = None  # relays its events stream
 
 
@@ -259,10 +258,8 @@ class RayCore:
         replica passes it on; raise the refusal when none takes it."""
         refusal: ServeError | None = None
         tried: set[str] = {avoid.name} if avoid else set()
-        while (replica := self._reserve(tried)) is not None:
+        while (replica := self._reserve(handle, tried)) is not None:
             tried.add(replica.name)
-            with self._lock:  # filed before it is sent: its first events may come before the answer
-                replica.open[handle.key], handle.replica = handle, replica
             try:
                 answer = ray.get(replica.actor.submit.remote(handle.key, handle.request), timeout=CALL_TIMEOUT)
             except Exception as err:
@@ -282,8 +279,7 @@ class RayCore:
 
     def _detach(self, handle: RemoteHandle, replica: Replica) -> None:
         with self._lock:
-            if replica.open.pop(handle.key, None) is not None:
-                replica.in_flight = max(0, replica.in_flight - 1)
+            replica.open.pop(handle.key, None)
 
     def _open_channel(self, replica: Replica) -> None:
         if replica.channel is None or not replica.channel.is_alive():
@@ -316,7 +312,7 @@ class RayCore:
         """A replica died with requests in flight: one none of whose answer was sent goes to
         another replica, once; the others fail (send them again)."""
         with self._lock:
-            handles, replica.open, replica.in_flight = list(replica.open.values()), {}, 0
+            handles, replica.open = list(replica.open.values()), {}
         why = type(err).__name__ if err else "stopped"
         for handle in handles:
             if handle.cancelled or handle.done:
@@ -333,16 +329,17 @@ class RayCore:
             handle.emit(Unavailable(f"replica {replica.name} stopped while serving this request ({why}); "
                                     "send it again: the other replicas serve on, and it restarts"))
 
-    def _reserve(self, tried: set[str]) -> Replica | None:
+    def _reserve(self, handle: RemoteHandle, tried: set[str]) -> Replica | None:
         """The ready replica with the fewest requests in flight (the least recently chosen of
-        equals), counted as one more; None when every ready one was tried."""
+        equals), with the request filed there before it is sent (its first events may come
+        before the replica's answer); None when every ready one was tried."""
         with self._lock:
             candidates = [r for r in self.replicas if r.ready and r.name not in tried]
             if not candidates:
                 return None
-            replica = min(candidates, key=lambda r: (r.in_flight, r.chosen))
+            replica = min(candidates, key=lambda r: (len(r.open), r.chosen))
             self._chosen += 1
-            replica.in_flight, replica.chosen = replica.in_flight + 1, self._chosen
+            replica.chosen, replica.open[handle.key], handle.replica = self._chosen, handle, replica
             return replica
 
     # ---- operators -------------------------------------------------------------------------------
@@ -353,7 +350,7 @@ class RayCore:
     def _replica_states(self) -> list[dict]:
         states = []
         for replica in self.replicas:
-            row = {"name": replica.name, "ready": replica.ready, "pid": replica.pid, "in_flight": replica.in_flight,
+            row = {"name": replica.name, "ready": replica.ready, "pid": replica.pid, "in_flight": len(replica.open),
                    "restarts": replica.restarts, "served": replica.served}
             if replica.ready:
                 try:

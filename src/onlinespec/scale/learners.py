@@ -221,6 +221,11 @@ class RemoteLearner:
     stopped = property(lambda self: self._state["stopped"])
     failures = property(lambda self: self._state["failures"])
 
+    @property
+    def version(self) -> str | None:
+        """The version handed to the proposer (served from its next round)."""
+        return self._current
+
     def governance(self) -> dict:
         return self._state["governance"]
 

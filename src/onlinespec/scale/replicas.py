@@ -113,7 +113,8 @@ class ReplicaService:
 
     def versions(self) -> dict:
         """The version each draft serves (the registry's CURRENT from its next step on)."""
-        return {name: getattr(draft.learner, "_current", None) or draft.version for name, draft in self.core.pool.drafts.items()}
+        return {name: draft.learner.version if draft.learner is not None else draft.version
+                for name, draft in self.core.pool.drafts.items()}
 
     async def state(self) -> dict:
         """What the front's admin API shows of this replica."""
