@@ -51,6 +51,41 @@ def send_whole(client, model: str, query, max_tokens: int) -> dict:
             "start": started, "end": end}
 
 
+def process_cpu(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds (user + system) so far of every thread of a process and its descendants:
+    (pid, tid) -> ("process name/thread name", seconds). A local Ray cluster's processes (GCS,
+    raylet, workers) descend from the server that started it."""
+    import psutil
+
+    out = {}
+    try:
+        top = psutil.Process(root)
+        family = [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for process in family:
+        try:
+            name = process.name()
+            for thread in process.threads():
+                try:
+                    comm = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
+                except OSError:
+                    comm = "?"
+                out[(process.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time)
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return out
+
+
+def cpu_spent(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each kind of thread spent between two :func:`process_cpu` snapshots, by
+    "process/thread" name (threads of one name added up), most first."""
+    spent: dict[str, float] = {}
+    for key, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(key, (name, 0.0))[1]
+    return dict(sorted(((n, round(s, 2)) for n, s in spent.items() if s > 0.05), key=lambda kv: -kv[1]))
+
+
 def serve(name: str, args, queries, work: Path, round_: int) -> dict:
     import openai
 
@@ -71,10 +106,12 @@ def serve(name: str, args, queries, work: Path, round_: int) -> dict:
             import serve_load
 
             serve_load.send = send_whole  # run_level sends through it
+        before = process_cpu(server.process.pid)
         level = run_level(client, model, queries, args.max_tokens, args.concurrency)
+        cpu = cpu_spent(before, process_cpu(server.process.pid))
     print(f"[{name} #{round_}] {level['tokens_per_s']:.2f} tok/s, p50 {level['latency_p50_s']:.2f} s, errors {level['errors']}, "
-          f"ready in {ready:.0f} s", flush=True)
-    return {**level, "ready_s": ready}
+          f"ready in {ready:.0f} s; CPU s by process: {cpu}", flush=True)
+    return {**level, "ready_s": ready, "cpu_seconds": cpu}
 
 
 def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
