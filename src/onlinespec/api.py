@@ -20,13 +20,20 @@ Draft specs:
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.calibrate import batch_sizes, measure_cost_curve
+from onlinespec.decoding import kernels as small_batch
+from onlinespec.decoding.calibrate import CONTEXTS, CostCurve, batch_sizes, measure_cost_curve
 from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
@@ -36,7 +43,10 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
-from onlinespec.models import LoadedModel, check_same_tokenizer_hash, load_draft, load_model
+from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_model
+from onlinespec.online.storage import atomic_write
+
+log = logging.getLogger("onlinespec")
 
 DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
 
@@ -119,9 +129,61 @@ def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool
     decoder sharing it runs them too, and comparisons stay fair.
     """
     width = max(8, k + 4)
-    if kernels:
-        use_small_batch_kernels(target.model, max_width=width)
     if not (pad or adaptive):
+        if kernels:
+            use_small_batch_kernels(target.model, max_width=width)
         return {"pad": False}
-    curve = measure_cost_curve(target.model, max_width=k + 2, batches=batch_sizes(max_batch))
+    curve = calibrate(target, kernels, width, k + 2, batch_sizes(max_batch))
     return {"cost_curve": curve, "pad": pad, "adaptive_k": AdaptiveK(curve, padded=pad) if adaptive else None}
+
+
+RECALIBRATE = "ONLINESPEC_RECALIBRATE"  # set to 1: measure again (and replace the cached measurement)
+
+
+def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: int, batches: tuple[int, ...]) -> CostCurve:
+    """Choose the small-batch kernels (``kernels``) and measure the cost curve, once per machine.
+
+    Both are timings of the target's forward (:mod:`onlinespec.decoding.calibrate`), 25-45 s of a
+    server's start-up on a 2-core CPU. What they depend on is the architecture, dtype and device
+    of the target, the torch build and threads, and the CPU, not its weights; so they are kept in
+    ``$ONLINESPEC_CACHE/calibration/<key>.json`` under a key of exactly those, and a later start
+    on the same machine reads them back. ``ONLINESPEC_RECALIBRATE=1`` measures again (after a
+    change the key does not see: another load on the machine, a BIOS setting)."""
+    model = target.model
+    parameter = next(model.parameters())
+    architecture = {k: v for k, v in model.config.to_diff_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    key = {"version": 1, "architecture": architecture, "dtype": str(parameter.dtype), "device": str(parameter.device),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": _cpu_name(),
+           "kernels": "choose" if kernels else small_batch.enabled(model), "kernel_width": kernel_width, "max_width": max_width,
+           "batches": list(batches), "contexts": list(CONTEXTS)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = cache_dir() / "calibration" / f"{digest}.json"
+    if os.environ.get(RECALIBRATE) != "1" and path.exists():
+        try:
+            saved = json.loads(path.read_text())
+            curve = CostCurve({tuple(int(x) for x in bc.split("x")): [float(t) for t in v] for bc, v in saved["curve"].items()})
+            if kernels:
+                (small_batch.enable if saved["kernels"] else small_batch.disable)(model)
+            log.info("calibration read from %s (measured %s; %s=1 measures again)", path, saved["measured_at"], RECALIBRATE)
+            return curve
+        except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
+            log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
+    chosen = use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
+    curve = measure_cost_curve(model, max_width=max_width, batches=batches)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"key": key, "kernels": chosen, "curve": curve.to_dict(),
+                                       "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=1, default=str))
+    except OSError as err:  # a read-only cache costs the next start a measurement, nothing else
+        log.warning("the calibration could not be cached at %s: %s", path, err)
+    return curve
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,53 @@
+"""The target's calibration (small-batch kernels, cost curve) is measured once per machine and
+read back at the next start; ONLINESPEC_RECALIBRATE=1 measures again; an unreadable cache file
+is measured over, never fatal."""
+
+import json
+
+import pytest
+
+import onlinespec.api as api
+from onlinespec.api import engine_options
+from onlinespec.models import LoadedModel
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    """The measurement, counted; the cache in a folder of the test's own."""
+    monkeypatch.setenv("ONLINESPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(api.RECALIBRATE, raising=False)
+    calls = []
+    measure = api.measure_cost_curve
+
+    def measured(*args, **kwargs):
+        calls.append(kwargs)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(api, "measure_cost_curve", measured)
+    return calls
+
+
+def test_a_second_start_reads_the_calibration_instead_of_measuring(counted, tiny_llama, tmp_path, monkeypatch):
+    target = LoadedModel(tiny_llama(seed=0), None, "tiny")
+    first = engine_options(target, 3, adaptive=True, max_batch=2)
+    assert len(counted) == 1 and len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    other_weights = LoadedModel(tiny_llama(seed=7), None, "tiny, other weights")  # the same architecture
+    second = engine_options(other_weights, 3, adaptive=True, max_batch=2)
+    assert len(counted) == 1, "the same architecture, dtype and machine: read back, not measured"
+    assert second["cost_curve"].seconds == first["cost_curve"].seconds
+    engine_options(target, 3, adaptive=True, max_batch=4)  # another set of batch sizes is another measurement
+    assert len(counted) == 2
+
+    monkeypatch.setenv(api.RECALIBRATE, "1")
+    engine_options(target, 3, adaptive=True, max_batch=2)
+    assert len(counted) == 3
+
+
+def test_an_unreadable_cached_calibration_is_measured_again_and_replaced(counted, tiny_llama, tmp_path):
+    target = LoadedModel(tiny_llama(seed=0), None, "tiny")
+    engine_options(target, 3, adaptive=True)
+    [saved] = (tmp_path / "calibration").glob("*.json")
+    saved.write_text('{"curve": {"1x64": [0.1, "not a number"')
+    options = engine_options(target, 3, adaptive=True)
+    assert len(counted) == 2 and options["cost_curve"].max_width == 5
+    assert json.loads(saved.read_text())["curve"], "the measurement replaced the unreadable file"
