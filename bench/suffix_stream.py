@@ -1,4 +1,4 @@
-"""A stream from a domain the packaged draft never saw, served four ways over the same requests:
+"""A stream from a domain the packaged draft never saw, served several ways over the same requests:
 what the suffix index and the head's online updates each add (docs/online-demo.md).
 
 One run of this script serves the same ``--n`` online-split requests of ``--domain``, one at a
@@ -7,6 +7,7 @@ time (the per-request view), through the serving core in this process:
 1. ``static``: the default draft kept static (n-gram lookup + the packaged head, no index);
 2. ``suffix``: the suffix index learning from every request, the head kept static (``--no-head-updates``);
 3. ``online``: both learning (the suffix index and the head's updates every ``--interval`` requests);
+   ``online-idle``: the same with the learner thread at SCHED_IDLE rather than nice 19;
 4. ``target``: the target alone (the reference every greedy output must equal);
 5. then the last ``--last`` requests again: by what ``online`` learned (its final head and its
    index, less those requests) with the learner idle, recording on (``paused``) and off
@@ -22,6 +23,7 @@ alpha, how many proposals each drafter made and how many the target kept, and wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import shutil
@@ -50,6 +52,8 @@ def configs(interval: int) -> dict[str, CoreConfig]:
         "static": CoreConfig(learn=False),
         "suffix": CoreConfig(learn=True, head_updates=False, router="single"),
         "online": CoreConfig(learn=True, router="single", learner=learner),
+        # the same, the learner thread at SCHED_IDLE instead of nice 19 (LearnerConfig.priority)
+        "online-idle": CoreConfig(learn=True, router="single", learner=dataclasses.replace(learner, priority="idle")),
         "target": CoreConfig(draft="none", learn=False),
     }
 
@@ -214,7 +218,7 @@ def main() -> None:
     passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
     for mode, label in AGAIN.items():
         again_file = WORK / f"{mode}.json"
-        if (args.only and mode in args.only.split(",")) or ("online" in (args.only or "")) or not again_file.exists():
+        if (args.only and mode in args.only.split(",")) or ("online" in (args.only or "").split(",")) or not again_file.exists():
             if mode == "paused-norecord":
                 subprocess.run([sys.executable, __file__, *passed, "--run", "export-head"], check=True)
             subprocess.run([sys.executable, __file__, *passed, "--run", mode], check=True)

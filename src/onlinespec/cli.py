@@ -217,7 +217,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
     "lr": (Annotated[float, typer.Option(help="learner learning rate (> 0)")], LearnerConfig.lr),
     "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
-    "priority": (Annotated[str, typer.Option(help="learner thread priority: low (only CPU time serving leaves) or normal")], LearnerConfig.priority),
+    "priority": (Annotated[str, typer.Option(help="learner thread priority: low (nice 19), idle (SCHED_IDLE: serving preempts it at once) or normal")], LearnerConfig.priority),
     "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "

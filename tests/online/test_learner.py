@@ -164,3 +164,31 @@ def test_drafts_sharing_an_update_slot_update_one_at_a_time_and_none_is_dropped(
     assert [(name, kind) for name, kind, _ in events] == [("code", "update_start"), ("code", "update"),
                                                           ("math", "update_start"), ("math", "update")]
     assert all(len(learner.reports) == 1 for learner in learners.values())
+
+
+def test_background_priority_lowers_only_the_calling_thread():
+    """The learner's thread runs at the priority asked for; the serving thread keeps its own."""
+    import os
+    import threading
+
+    import pytest
+
+    from onlinespec.online.learner import lower_priority
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("SCHED_IDLE is Linux's")
+    seen = {}
+
+    def background(priority: str) -> None:
+        lower_priority(priority)
+        seen[priority] = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    for priority in ("idle", "low", "normal"):
+        thread = threading.Thread(target=background, args=(priority,))
+        thread.start()
+        thread.join()
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["idle"][0] == os.SCHED_IDLE
+    assert seen["low"] == (os.SCHED_OTHER, 19)
+    assert seen["normal"] == (os.SCHED_OTHER, here)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this (serving) thread is untouched

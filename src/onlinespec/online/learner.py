@@ -58,7 +58,8 @@ class LearnerConfig:
     # worse); newest: the newest share of all records, judged pooled
     source: str = "teacher"  # sampling source: teacher | student | mixed (recorder)
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
-    priority: str = "low"  # low: the OS runs the learner only on CPU time serving leaves; normal
+    priority: str = "low"  # low: nice 19 (the OS runs the learner mostly on CPU time serving leaves); idle:
+    # SCHED_IDLE (a serving thread that wakes takes the core at once); normal (see lower_priority)
     cpu_share: float = 1.0  # the most wall time the learner computes (it sleeps the rest)
     chain_depth: int = 4  # feature heads: draft steps unrolled in training
     max_failures: int = 3  # updates failing in a row before the learner stops trying (serving goes on)
@@ -81,12 +82,32 @@ class LearnerConfig:
             raise ValueError(f"unknown sampling source {self.source!r}: use one of {SOURCES}")
         if self.gate_by not in ("domain", "newest"):
             raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
-        if self.priority not in ("low", "normal"):
-            raise ValueError(f"priority must be 'low' or 'normal', got {self.priority!r}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
         if not 0.0 < self.cpu_share <= 1.0:
             raise ValueError(f"cpu_share must lie in (0, 1], got {self.cpu_share}")
         if self.update_interval < 1 or self.steps_per_update < 1 or self.threads < 1:
             raise ValueError("update_interval, steps_per_update and threads must be >= 1")
+
+
+PRIORITIES = ("low", "idle", "normal")
+
+
+def lower_priority(priority: str = "low") -> None:
+    """Lower the calling thread's CPU priority, for background work beside serving (the learner,
+    the content router's scorer). On Linux a thread is a task, so only this thread changes.
+
+    ``low``: nice 19, the smallest CPU weight; ``idle``: the SCHED_IDLE policy, whose thread any
+    normal thread that wakes preempts at once (a nice-19 thread may keep a core for the rest of its
+    time slice, while an engine's OpenMP team waits at a barrier for it); ``normal``: unchanged.
+    Where the OS refuses, the thread keeps its priority."""
+    try:
+        if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif priority in ("low", "idle") and hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 def load_version(model: torch.nn.Module, registry: DraftRegistry, version: str) -> torch.nn.Module:
@@ -363,13 +384,10 @@ class OnlineLearner:
         return [r for r in records if id(r) not in held], groups
 
     def _budget(self) -> None:
-        """The learner thread's CPU budget: its torch threads and, at low priority, nice 19."""
+        """The learner thread's CPU budget: its torch threads and its priority."""
         torch.set_num_threads(self.config.threads)
-        if self.config.priority == "low" and self.background and hasattr(os, "setpriority"):
-            try:  # on Linux a thread is a task: this renices the learner thread only
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except OSError:
-                pass
+        if self.background:
+            lower_priority(self.config.priority)
 
     def _update(self) -> None:
         serving_threads = torch.get_num_threads()

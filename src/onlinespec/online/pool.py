@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -51,7 +50,7 @@ from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
 from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import learnable
-from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
+from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport, lower_priority
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.storage import atomic_write
 from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
@@ -566,11 +565,7 @@ class DraftPool:
         """Full-information scoring, in the background (one torch thread, the lowest priority):
         every draft in memory and the static one, on each recorded request's verified positions."""
         torch.set_num_threads(1)
-        if hasattr(os, "setpriority"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except OSError:
-                pass
+        lower_priority(self.learner_config.priority)
         distill = self.learner_config.distill
         while (job := self._scores.get()) is not None:
             cluster, request, records = job
