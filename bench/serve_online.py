@@ -3,6 +3,7 @@ through the `openai` client, several requests in flight, while the drafts learn.
 
     python bench/serve_online.py              # 50 chat then 300 maths-in-23-languages requests (~15 min here)
     python bench/serve_online.py --report-only
+    python bench/serve_online.py --replicas 2  # the same served by two replicas on a local Ray cluster (docs/scale.md)
 
 The server serves the packaged feature head alone (``--draft head``, k = 4 fixed, so that alpha is
 measured on the same number of proposals throughout), one draft per domain; the maths draft
@@ -12,7 +13,7 @@ static head and the target alone again: the static head's two passes are the ser
 with the learner running vs paused, on the same requests and draft, in one run.
 
 Writes docs/serve-online.json, docs/serve-online.png (alpha over requests) and the run's report
-under runs/serve-online/run/.
+under runs/serve-online/run/ (with ``--replicas N``: docs/serve-online-ray.{json,png}, runs/serve-online-ray/).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--compare-every", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--work", type=Path, default=Path("runs/serve-online"))
-    parser.add_argument("--out", type=Path, default=DOCS / "serve-online")
+    parser.add_argument("--replicas", type=int, default=0, help="serve with --replicas N on a local Ray cluster (0: one process)")
+    parser.add_argument("--work", type=Path, default=None, help="default: runs/serve-online (runs/serve-online-ray with --replicas)")
+    parser.add_argument("--out", type=Path, default=None, help="default: docs/serve-online (docs/serve-online-ray with --replicas)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
+    name = "serve-online-ray" if args.replicas else "serve-online"
+    args.work, args.out = args.work or Path("runs") / name, args.out or DOCS / name
     names = args.domains.split(",")
     path = args.out.with_suffix(".json")
     if not args.report_only:
@@ -69,6 +73,8 @@ def main() -> None:
         key = secrets.token_hex(8)
         server_args = ["--draft", "head", "--fixed-k", "-k", "4", "--out-dir", str(run), "--static-baseline", "--admin-key", key,
                        "--max-batch", str(args.concurrency), "--default-max-tokens", str(args.max_tokens), *LEARNER]
+        if args.replicas:
+            server_args += ["--replicas", str(args.replicas)]
         config = OnlineConfig(max_new_tokens=args.max_tokens, concurrency=args.concurrency, compare_every=args.compare_every)
         started = time.time()
 
@@ -80,7 +86,8 @@ def main() -> None:
         print(f"onlinespec serve {' '.join(a if a != key else '***' for a in server_args)}", flush=True)
         with ServerProcess(server_args, log=args.work / "server.log") as server:
             result = drive(queries, HTTPClient(server.url, admin_key=key), config, progress, lambda text: print(text, flush=True))
-        events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        # the server's log, and on Ray each learner actor's (learners/<group>/events.jsonl): where updates are logged
+        events = [json.loads(line) for log in sorted(run.rglob("events.jsonl")) for line in log.read_text().splitlines()]
         served_at = sorted(r["time"] for r in result["requests"])  # when each stream request was answered
         published = [{"draft": e["draft"], "version": e["version"], "after_request": sum(t < e["time"] for t in served_at),
                       "seconds": e["seconds"]} for e in events if e["event"] == "update" and e["version"]]
