@@ -172,6 +172,12 @@ class RayCore:
             ray.init(address=scale.address, **options)
             self._started_ray = True
         names = [f"r{i}" for i in range(scale.replicas)]
+        cores = os.cpu_count() or 1
+        if scale.address is None and config.learning and config.learner.priority == "low" and scale.replicas * scale.cpus_per_replica >= cores:
+            # measured on 2 cores, 2 replicas: the learner actor got 4% of a core, one update took 520 s (docs/scale.md)
+            log.warning("the replicas' %g CPUs fill this machine's %d cores: a learner actor at --priority low only gets the "
+                        "CPU time they leave, and its updates may take minutes; give it a core of its own (fewer replicas or "
+                        "--replica-cpus) or run it at --priority normal", scale.replicas * scale.cpus_per_replica, cores)
         if config.learning:
             actor = learner_actor(scale.learner_cpus)
             self.learners = [actor.options(name=learner_actor_name(g)).remote(config, str(self.out_dir), g, scale.learner_groups, names)
