@@ -3,7 +3,7 @@ through the `openai` client, several requests in flight, while the drafts learn.
 
     python bench/serve_online.py              # 50 chat then 300 maths-in-23-languages requests (~15 min here)
     python bench/serve_online.py --report-only
-    python bench/serve_online.py --replicas 2  # the same served by two replicas on a local Ray cluster (docs/scale.md)
+    python bench/serve_online.py --replicas 2 --priority normal  # two replicas on a local Ray cluster (docs/scale.md)
 
 The server serves the packaged feature head alone (``--draft head``, k = 4 fixed, so that alpha is
 measured on the same number of proposals throughout), one draft per domain; the maths draft
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--compare-every", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--replicas", type=int, default=0, help="serve with --replicas N on a local Ray cluster (0: one process)")
+    parser.add_argument("--priority", default=None, help="the learner's priority (the server's default: low)")
     parser.add_argument("--work", type=Path, default=None, help="default: runs/serve-online (runs/serve-online-ray with --replicas)")
     parser.add_argument("--out", type=Path, default=None, help="default: docs/serve-online (docs/serve-online-ray with --replicas)")
     parser.add_argument("--report-only", action="store_true")
@@ -75,6 +76,8 @@ def main() -> None:
                        "--max-batch", str(args.concurrency), "--default-max-tokens", str(args.max_tokens), *LEARNER]
         if args.replicas:
             server_args += ["--replicas", str(args.replicas)]
+        if args.priority:
+            server_args += ["--priority", args.priority]
         config = OnlineConfig(max_new_tokens=args.max_tokens, concurrency=args.concurrency, compare_every=args.compare_every)
         started = time.time()
 
