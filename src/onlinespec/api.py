@@ -34,7 +34,6 @@ import torch
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding import kernels as small_batch
 from onlinespec.decoding.calibrate import CONTEXTS, CostCurve, batch_sizes, measure_cost_curve
-from onlinespec.decoding.kernels import use_small_batch_kernels
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
@@ -131,7 +130,7 @@ def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool
     width = max(8, k + 4)
     if not (pad or adaptive):
         if kernels:
-            use_small_batch_kernels(target.model, max_width=width)
+            small_batch.use_small_batch_kernels(target.model, max_width=width)
         return {"pad": False}
     curve = calibrate(target, kernels, width, k + 2, batch_sizes(max_batch))
     return {"cost_curve": curve, "pad": pad, "adaptive_k": AdaptiveK(curve, padded=pad) if adaptive else None}
@@ -161,14 +160,14 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     if os.environ.get(RECALIBRATE) != "1" and path.exists():
         try:
             saved = json.loads(path.read_text())
-            curve = CostCurve({tuple(int(x) for x in bc.split("x")): [float(t) for t in v] for bc, v in saved["curve"].items()})
+            curve = CostCurve.from_dict(saved["curve"])
             if kernels:
                 (small_batch.enable if saved["kernels"] else small_batch.disable)(model)
             log.info("calibration read from %s (measured %s; %s=1 measures again)", path, saved["measured_at"], RECALIBRATE)
             return curve
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
             log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
-    chosen = use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
+    chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
     curve = measure_cost_curve(model, max_width=max_width, batches=batches)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

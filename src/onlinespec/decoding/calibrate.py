@@ -110,6 +110,11 @@ class CostCurve:
     def to_dict(self) -> dict:
         return {f"{b}x{c}": v for (b, c), v in sorted(self.seconds.items())}
 
+    @classmethod
+    def from_dict(cls, saved: dict) -> "CostCurve":
+        """The curve :meth:`to_dict` wrote."""
+        return cls({tuple(int(x) for x in key.split("x")): [float(t) for t in costs] for key, costs in saved.items()})
+
 
 def measure_cost_curve(
     model: PreTrainedModel,

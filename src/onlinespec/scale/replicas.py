@@ -42,7 +42,6 @@ class ReplicaService:
         self.replica, self.learners = replica, learners
         self._open: dict[str, object] = {}  # the front's key -> the handle of a request this replica serves
         self._wake = asyncio.Event()
-        self._woken = False  # a wake-up is on its way to the events loop (one per engine step, not one per event)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.core = ServingCore(config, out_dir, replica=replica, learners=self._learner if config.learning else None)
         self.core.load()
@@ -72,9 +71,6 @@ class ReplicaService:
         return ACCEPTED
 
     def _notify(self) -> None:  # the core's threads, after each event of any request
-        if self._woken:  # the events loop has not drained yet: it will take this event with the others
-            return
-        self._woken = True
         try:
             self._loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:  # the loop is gone (the actor is stopping)
@@ -94,7 +90,6 @@ class ReplicaService:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(GATHER_SECONDS)  # the rest of the step's events (the engine emits them in a burst)
-            self._woken = False  # before draining: an event emitted from here on wakes the loop again
             batch = []
             for key, handle in list(self._open.items()):
                 events = []
