@@ -10,6 +10,14 @@ run twice, interleaved (single, ray-1, ray-2, single, ray-1), so that drift of t
     python bench/ray_overhead.py                  # 48 streamed requests, 8 in flight, batches of 4, 32 tokens (~11 min here)
     python bench/ray_overhead.py --whole          # the same, answered whole (the demo's kind of request)
     python bench/ray_overhead.py --report-only    # rewrite the PNG from the JSON
+    python bench/ray_overhead.py --paired --n 480 --block 24   # both servers up at once, blocks alternated (~20 min)
+
+``--paired`` is the low-noise design: this machine's speed drifts by up to 20% within minutes, so
+servers run one after the other differ by more than Ray costs. Both servers are started (each
+with the whole model), then the same block of requests goes to one and then the other, the first
+server alternating, block after block: each pair of blocks is measured within a minute, and the
+ratio's interval is a bootstrap over pairs. The idle server waits meanwhile (a local Ray cluster's
+daemons spend a little CPU idle: counted in the JSON, under the single server's blocks).
 
 Writes docs/ray-overhead-streamed.{json,png} (or -whole); docs/scale.md quotes them.
 """
@@ -51,10 +59,11 @@ def send_whole(client, model: str, query, max_tokens: int) -> dict:
             "start": started, "end": end}
 
 
-def process_cpu(root: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """CPU seconds (user + system) so far of every thread of a process and its descendants:
-    (pid, tid) -> ("process name/thread name", seconds). A local Ray cluster's processes (GCS,
-    raylet, workers) descend from the server that started it."""
+def process_cpu(root: int) -> dict[tuple[int, int], tuple[str, float, float, int]]:
+    """What every thread of a process and its descendants has had so far: (pid, tid) ->
+    ("process name/thread name", CPU seconds (user + system), seconds runnable but waiting for a
+    CPU (schedstat), times preempted (nonvoluntary context switches)). A local Ray cluster's
+    processes (GCS, raylet, workers) descend from the server that started it."""
     import psutil
 
     out = {}
@@ -67,23 +76,33 @@ def process_cpu(root: int) -> dict[tuple[int, int], tuple[str, float]]:
         try:
             name = process.name()
             for thread in process.threads():
+                task = Path(f"/proc/{process.pid}/task/{thread.id}")
                 try:
-                    comm = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
-                except OSError:
-                    comm = "?"
-                out[(process.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time)
+                    comm = (task / "comm").read_text().strip()
+                    waited = int((task / "schedstat").read_text().split()[1]) / 1e9  # runnable, but no CPU to run on
+                    status = (task / "status").read_text()
+                    preempted = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+                except (OSError, IndexError, ValueError):
+                    comm, waited, preempted = "?", 0.0, 0
+                out[(process.pid, thread.id)] = (f"{name}/{comm}", thread.user_time + thread.system_time, waited, preempted)
         except psutil.Error:  # it ended meanwhile
             continue
     return out
 
 
-def cpu_spent(before: dict, after: dict) -> dict[str, float]:
-    """CPU seconds each kind of thread spent between two :func:`process_cpu` snapshots, by
-    "process/thread" name (threads of one name added up), most first."""
-    spent: dict[str, float] = {}
-    for key, (name, seconds) in after.items():
-        spent[name] = spent.get(name, 0.0) + seconds - before.get(key, (name, 0.0))[1]
-    return dict(sorted(((n, round(s, 2)) for n, s in spent.items() if s > 0.05), key=lambda kv: -kv[1]))
+def cpu_spent(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """What each kind of thread had between two :func:`process_cpu` snapshots, by "process/thread"
+    name (threads of one name added up): ``cpu`` seconds (most first), ``waited`` seconds and
+    ``preempted`` times."""
+    spent: dict[str, list[float]] = {}
+    for key, (name, *now) in after.items():
+        then = before.get(key, (name, 0.0, 0.0, 0))[1:]
+        total = spent.setdefault(name, [0.0, 0.0, 0])
+        for i, (a, b) in enumerate(zip(then, now)):
+            total[i] += b - a
+    kept = sorted(((n, t) for n, t in spent.items() if t[0] > 0.05), key=lambda kv: -kv[1][0])
+    return {"cpu": {n: round(t[0], 2) for n, t in kept}, "waited": {n: round(t[1], 2) for n, t in kept},
+            "preempted": {n: int(t[2]) for n, t in kept}}
 
 
 def serve(name: str, args, queries, work: Path, round_: int) -> dict:
@@ -110,8 +129,91 @@ def serve(name: str, args, queries, work: Path, round_: int) -> dict:
         level = run_level(client, model, queries, args.max_tokens, args.concurrency)
         cpu = cpu_spent(before, process_cpu(server.process.pid))
     print(f"[{name} #{round_}] {level['tokens_per_s']:.2f} tok/s, p50 {level['latency_p50_s']:.2f} s, errors {level['errors']}, "
-          f"ready in {ready:.0f} s; CPU s by process: {cpu}", flush=True)
-    return {**level, "ready_s": ready, "cpu_seconds": cpu}
+          f"ready in {ready:.0f} s; by thread, CPU s {cpu['cpu']}, waiting for a CPU s {cpu['waited']}, preempted {cpu['preempted']}", flush=True)
+    return {**level, "ready_s": ready, "cpu_seconds": cpu["cpu"], "waited_seconds": cpu["waited"], "preempted": cpu["preempted"]}
+
+
+def paired(args, queries, work: Path) -> dict:
+    """Both servers up; each block of ``args.block`` requests sent to one, then the other."""
+    import contextlib
+
+    import openai
+
+    from onlinespec.benchmark import machine_info
+    from onlinespec.metrics import bootstrap_ratio
+    from onlinespec.serve.server import ServerProcess
+
+    names = ("single", "ray-1")
+    with contextlib.ExitStack() as stack:
+        servers, clients = {}, {}
+        for name in names:
+            server_args = [*SERVERS[name], "--out-dir", str(work / f"paired-{name}"), "--max-batch", str(args.max_batch),
+                           "--max-waiting", str(len(queries)), "--default-max-tokens", str(args.max_tokens)]
+            print(f"[{name}] onlinespec serve {' '.join(server_args)}", flush=True)
+            servers[name] = stack.enter_context(ServerProcess(server_args, log=work / f"paired-{name}.log"))
+            client = openai.OpenAI(base_url=servers[name].url + "/v1", api_key="none", max_retries=0, timeout=600)
+            clients[name] = (client, client.models.list().data[0].id)
+            for q in queries[:4]:  # warm-up, not measured
+                send(*clients[name], q, 8)
+        both = [servers[n].process.pid for n in names]
+        blocks = [queries[i:i + args.block] for i in range(0, len(queries), args.block)]
+        pairs, cpu, texts = [], {n: {} for n in names}, {n: {} for n in names}
+        for i, block in enumerate(blocks):
+            pair = {}
+            for name in (names if i % 2 == 0 else names[::-1]):
+                before = {pid: process_cpu(pid) for pid in both}
+                level = run_level(*clients[name], block, args.max_tokens, args.concurrency)
+                for pid in both:  # the idle server's threads too: what it costs the other
+                    for kind, spent in cpu_spent(before[pid], process_cpu(pid)).items():
+                        for thread, value in spent.items():
+                            label = f"{'self' if pid == servers[name].process.pid else 'idle server'}: {thread}"
+                            cpu[name].setdefault(kind, {})[label] = round(cpu[name].get(kind, {}).get(label, 0) + value, 2)
+                texts[name].update(level.pop("texts"))
+                pair[name] = level
+            ratio = pair["ray-1"]["tokens_per_s"] / pair["single"]["tokens_per_s"]
+            pairs.append({"block": i, "first": names[i % 2], "ratio": ratio,
+                          **{n: {k: pair[n][k] for k in ("tokens", "wall_s", "tokens_per_s", "errors", "latency_p50_s", "ttft_p50_s")} for n in names}})
+            print(f"[block {i + 1}/{len(blocks)}] single {pair['single']['tokens_per_s']:.1f} tok/s, ray-1 {pair['ray-1']['tokens_per_s']:.1f}: "
+                  f"{ratio:.3f}x", flush=True)
+    samples = [(p["ray-1"]["tokens"], p["ray-1"]["wall_s"], p["single"]["tokens"], p["single"]["wall_s"]) for p in pairs]
+    pooled = (sum(s[0] for s in samples) / sum(s[1] for s in samples)) / (sum(s[2] for s in samples) / sum(s[3] for s in samples))
+    return {"command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+            "config": {"n": len(queries), "block": args.block, "concurrency": args.concurrency, "max_batch": args.max_batch,
+                       "max_new_tokens": args.max_tokens, "servers": {n: SERVERS[n] for n in names}, "streamed": not args.whole},
+            "ray-1/single": {"pooled": pooled, "interval_95": list(bootstrap_ratio(samples)),
+                             "median_of_pairs": statistics.median(p["ratio"] for p in pairs)},
+            "identical": sum(texts["ray-1"][q.id] == texts["single"][q.id] for q in queries),
+            "errors": {n: sum(p[n]["errors"] for p in pairs) for n in names},
+            "cpu": {n: {kind: dict(sorted(v.items(), key=lambda kv: -kv[1])[:12]) for kind, v in cpu[n].items()} for n in names},
+            "pairs": pairs}
+
+
+def plot_paired(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs, r = summary["pairs"], summary["ray-1/single"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    x = [p["block"] + 1 for p in pairs]
+    top.plot(x, [p["single"]["tokens_per_s"] for p in pairs], "o-", label="one process", color="#4c72b0")
+    top.plot(x, [p["ray-1"]["tokens_per_s"] for p in pairs], "s-", label="--replicas 1", color="#dd8452")
+    top.set_ylabel("tokens/s in the block")
+    top.legend(fontsize=8)
+    bottom.plot(x, [p["ratio"] for p in pairs], "o", color="#444444")
+    bottom.axhline(r["pooled"], color="#dd8452", label=f"pooled {r['pooled']:.3f}x (95% {r['interval_95'][0]:.3f}-{r['interval_95'][1]:.3f})")
+    bottom.axhspan(*r["interval_95"], color="#dd8452", alpha=0.2)
+    bottom.axhline(0.9, color="red", linestyle=":", label="within 10%")
+    bottom.set_ylabel("ray-1 / one process")
+    bottom.set_xlabel("block (the same requests to both servers, one after the other)")
+    bottom.legend(fontsize=8, loc="lower left")
+    bottom.xaxis.get_major_locator().set_params(integer=True)
+    c = summary["config"]
+    top.set_title(f"Ray's cost, paired blocks: {c['n']} requests in blocks of {c['block']}, {c['concurrency']} in flight, "
+                  f"{c['max_new_tokens']} tokens, {'streamed' if c['streamed'] else 'whole'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
@@ -168,10 +270,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.png (default: docs/ray-overhead-streamed or -whole)")
     parser.add_argument("--whole", action="store_true", help="answers whole instead of streamed (one relayed event per request)")
     parser.add_argument("--order", default=",".join(ORDER), help="the servers to run, in order")
+    parser.add_argument("--paired", action="store_true", help="both servers up at once, the same blocks of requests alternated between them")
+    parser.add_argument("--block", type=int, default=24, help="requests per block with --paired")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
-    args.out = args.out or DOCS / ("ray-overhead-whole" if args.whole else "ray-overhead-streamed")
+    args.out = args.out or DOCS / ("ray-overhead-whole" if args.whole else "ray-overhead-paired" if args.paired else "ray-overhead-streamed")
     path = args.out.with_suffix(".json")
+    if args.paired:
+        if not args.report_only:
+            args.work.mkdir(parents=True, exist_ok=True)
+            if args.whole:
+                import serve_load
+
+                serve_load.send = send_whole
+            path.write_text(json.dumps(paired(args, held_out(args.n), args.work), indent=2))
+        summary = json.loads(path.read_text())
+        plot_paired(summary, args.out.with_suffix(".png"))
+        r = summary["ray-1/single"]
+        print(f"ray-1/single tokens/s, pooled over {len(summary['pairs'])} paired blocks: {r['pooled']:.3f}x (95% "
+              f"{r['interval_95'][0]:.3f}-{r['interval_95'][1]:.3f}); median of blocks {r['median_of_pairs']:.3f}x; "
+              f"identical {summary['identical']}/{summary['config']['n']}; errors {summary['errors']}")
+        return
     if not args.report_only:
         queries = held_out(args.n)
         args.work.mkdir(parents=True, exist_ok=True)

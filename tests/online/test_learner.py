@@ -173,7 +173,7 @@ def test_background_priority_lowers_only_the_calling_thread():
 
     import pytest
 
-    from onlinespec.online.learner import lower_priority
+    from onlinespec.cpu import lower_priority
 
     if not hasattr(os, "SCHED_IDLE"):
         pytest.skip("SCHED_IDLE is Linux's")

@@ -71,3 +71,42 @@ def test_content_routing_clusters_serves_losslessly_evicts_reloads_and_restarts(
         assert core.routing()["requests"] == 26 + 2
     finally:
         core.shutdown(drain_seconds=5)
+
+
+def test_a_scorer_that_falls_behind_drops_the_oldest_requests_and_serving_goes_on(tiny_target_folder, tmp_path, monkeypatch):
+    """The scorer runs at the lowest priority; on a machine that serving saturates it may fall
+    behind for good. Its backlog stays bounded (the oldest go unscored), and operators see it."""
+    import threading
+
+    import onlinespec.online.pool as pool_module
+
+    release = threading.Event()
+    real = pool_module.learnable
+
+    class Stuck:  # the scorer's metrics wait until released: a scorer that gets no CPU
+        def __init__(self, model):
+            self.inner = real(model)
+
+        def metrics(self, *args, **kwargs):
+            release.wait(60)
+            return self.inner.metrics(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "SCORE_BACKLOG", 2)
+    monkeypatch.setattr(pool_module, "learnable", lambda model: Stuck(model) if threading.current_thread().name == "onlinespec-scorer" else real(model))
+    target = load_model(str(tiny_target_folder))
+    alone = SpeculativeDecoder(target.model, target.tokenizer, None)
+    core = start(tiny_target_folder, tmp_path / "run")
+    try:
+        served = serve(core, "words", 8)
+        for i, s in enumerate(served):
+            assert s.token_ids == alone.generate(KINDS["words"](i), SamplingParams(max_new_tokens=6)).token_ids
+        deadline = time.monotonic() + 10  # the recorder queues each request's records after its answer
+        while core.routing()["scores_dropped"] < 8 - 2 - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert core.routing()["scores_dropped"] >= 8 - 2 - 1  # all but the backlog and the one being scored
+        assert 'onlinespec:routing_requests_unscored_total' in core.metrics.text().decode()
+    finally:
+        release.set()
+        core.shutdown(drain_seconds=5)
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"scorer_behind"' in events

@@ -11,11 +11,13 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from onlinespec.cpu import ENGINE_THREAD, PLUMBING_NICE
 from onlinespec.decoding.sampling import SamplingParams
 ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra: pip install 'onlinespec[ray]'")
 
@@ -89,6 +91,35 @@ def test_two_replicas_feed_one_learner_and_serve_what_it_publishes(client, admin
     wait_for(lambda: set(chat_row(admin)["replicas"].values()) == {current}, 10, "both replicas serving the newest")
     for replica, versions in served_by_both(client, alone).items():
         assert versions == [current], replica
+
+
+def threads_of(pid: int) -> dict[str, set[int]]:
+    """A process's threads: OS name -> the nice values its threads of that name have."""
+    out: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            nice = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])  # field 19 of stat
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(comm, set()).add(nice)
+    return out
+
+
+def test_only_the_engines_keep_full_priority(admin, deployment):
+    """On a machine that serving fills, every thread that only carries messages (the front's, Ray's
+    in a replica) yields to the engines' OpenMP teams (docs/scale.md)."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("per-thread priorities are read from Linux's /proc")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def full_priority(pid: int) -> dict:  # threads that compete with the engines (re-lowered every 5 s)
+        return {name: nices for name, nices in threads_of(pid).items() if name != ENGINE_THREAD and min(nices) < PLUMBING_NICE}
+
+    for replica in state(admin)["replicas"]:
+        assert threads_of(replica["pid"])[ENGINE_THREAD] == {base}, replica["name"]  # the engine thread and its OpenMP team
+        wait_for(lambda: not full_priority(replica["pid"]), 12, f"replica {replica['name']}'s plumbing at nice {PLUMBING_NICE}")
+    wait_for(lambda: not full_priority(deployment.process.pid), 12, f"the front's threads at nice {PLUMBING_NICE}")
 
 
 def test_admin_rollback_reaches_both_replicas(client, admin, alone):

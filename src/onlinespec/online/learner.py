@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from safetensors import SafetensorError
 
+from onlinespec.cpu import lower_priority, name_thread
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.loop import run_steps
@@ -91,23 +91,6 @@ class LearnerConfig:
 
 
 PRIORITIES = ("low", "idle", "normal")
-
-
-def lower_priority(priority: str = "low") -> None:
-    """Lower the calling thread's CPU priority, for background work beside serving (the learner,
-    the content router's scorer). On Linux a thread is a task, so only this thread changes.
-
-    ``low``: nice 19, the smallest CPU weight; ``idle``: the SCHED_IDLE policy, whose thread any
-    normal thread that wakes preempts at once (a nice-19 thread may keep a core for the rest of its
-    time slice, while an engine's OpenMP team waits at a barrier for it); ``normal``: unchanged.
-    Where the OS refuses, the thread keeps its priority."""
-    try:
-        if priority == "idle" and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        elif priority in ("low", "idle") and hasattr(os, "setpriority"):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
 
 
 def load_version(model: torch.nn.Module, registry: DraftRegistry, version: str) -> torch.nn.Module:
@@ -387,6 +370,7 @@ class OnlineLearner:
         """The learner thread's CPU budget: its torch threads and its priority."""
         torch.set_num_threads(self.config.threads)
         if self.background:
+            name_thread("onlinespec-learn")
             lower_priority(self.config.priority)
 
     def _update(self) -> None:

@@ -43,6 +43,7 @@ import torch
 from safetensors import SafetensorError
 
 from onlinespec.content import STATIC, ContentConfig, ContentRouter
+from onlinespec.cpu import lower_priority, name_thread
 
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
@@ -50,7 +51,7 @@ from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
 from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import learnable
-from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport, lower_priority
+from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.storage import atomic_write
 from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
@@ -65,6 +66,7 @@ SUFFIX_FILES = "suffix-index*.safetensors"
 def replica_suffix_file(replica: str) -> str:
     return f"suffix-index.{replica}.safetensors"
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
+SCORE_BACKLOG = 256  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 20 MB of records)
 
 
 @dataclass
@@ -416,7 +418,8 @@ class DraftPool:
         self.static = Draft(STATIC, proposer, adaptive, None)  # the floor: scored on every request, never trained
         self._routing_dirty, self._routing_saved_at = False, 0.0
         self._last_home: str | None = None
-        self._scores: queue.SimpleQueue = queue.SimpleQueue()
+        self._scores: queue.Queue = queue.Queue(SCORE_BACKLOG)
+        self.scores_dropped, self._dropped_reported, self._dropped_at = 0, 0, float("-inf")
         self._scorer = threading.Thread(target=self._score_loop, name="onlinespec-scorer", daemon=True)
         self._scorer.start()
 
@@ -559,12 +562,33 @@ class DraftPool:
                 self.content.served(route.member_of, alpha)
             self._apply_events()
         if records:
-            self._scores.put((route.member_of, route.request, records))
+            self._score_later((route.member_of, route.request, records))
+
+    def _score_later(self, job) -> None:
+        """Queue a request for the scorer. A full backlog (the scorer, at the lowest priority,
+        fell behind serving) drops its oldest request unscored: the newest say more about the
+        traffic, and memory stays bounded. Drops are counted, and reported as one event a minute."""
+        while True:
+            try:
+                self._scores.put_nowait(job)
+                break
+            except queue.Full:
+                try:
+                    self._scores.get_nowait()
+                    self.scores_dropped += 1
+                except queue.Empty:
+                    pass
+        if job is not None and self.scores_dropped > self._dropped_reported and time.monotonic() - self._dropped_at >= 60:
+            dropped, self._dropped_reported, self._dropped_at = self.scores_dropped - self._dropped_reported, self.scores_dropped, time.monotonic()
+            log.warning("the content scorer is behind: %d requests went unscored (the backlog holds %d)", dropped, SCORE_BACKLOG)
+            with self._lock:
+                self.on_event({"event": "scorer_behind", "dropped": dropped, "dropped_total": self.scores_dropped, "backlog": SCORE_BACKLOG})
 
     def _score_loop(self) -> None:
         """Full-information scoring, in the background (one torch thread, the lowest priority):
         every draft in memory and the static one, on each recorded request's verified positions."""
         torch.set_num_threads(1)
+        name_thread("onlinespec-score")
         lower_priority(self.learner_config.priority)
         distill = self.learner_config.distill
         while (job := self._scores.get()) is not None:
@@ -599,7 +623,7 @@ class DraftPool:
 
     def stop_scoring(self) -> None:
         if self.content is not None:
-            self._scores.put(None)
+            self._score_later(None)
             self._scorer.join(60)
 
     def routing(self) -> dict:
@@ -609,7 +633,7 @@ class DraftPool:
         with self._lock:
             return {"clusters": self.content.summary(), "in_memory": sorted(self.drafts), "evicted": sorted(self.evicted),
                     "retired": dict(self.retired), "lifecycle": dict(self.lifecycle), "detections": dict(self.detections),
-                    "requests": self.content.requests}
+                    "requests": self.content.requests, "scores_dropped": self.scores_dropped}
 
     # ---- operators ------------------------------------------------------------------------
 

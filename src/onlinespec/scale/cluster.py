@@ -38,6 +38,7 @@ import ray
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.storage import EventLog, OutDirLock
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
@@ -59,6 +60,8 @@ class ScaleConfig:
     replica_cpus: float | None = None  # Ray CPUs (and torch threads) per replica; None: this machine's cores / replicas
     learner_cpus: float = 1.0  # Ray CPUs per learner actor (it runs LearnerConfig.threads torch threads, at low priority)
     learner_groups: int = 1  # learner actors; draft d belongs to group crc32(d) % learner_groups
+    plumbing_nice: int = PLUMBING_NICE  # nice of the threads that only carry messages: the front's, and a replica's but
+    # its engine's (docs/scale.md: Ray's cost on a machine that serving saturates); 0 leaves them at the caller's
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.learner_groups < 1:
@@ -186,11 +189,13 @@ class RayCore:
         cpus = scale.cpus_per_replica
         actor = replica_actor(cpus)
         self.replicas = [Replica(name, actor.options(name=replica_actor_name(name)).remote(
-            config, str(self.out_dir), name, self.learners, max(1, int(cpus)))) for name in names]
+            config, str(self.out_dir), name, self.learners, max(1, int(cpus)), scale.plumbing_nice)) for name in names]
         for replica, state in zip(self.replicas, ray.get([r.actor.ready.remote() for r in self.replicas])):
             replica.ready, replica.pid = True, state["pid"]
             self.context = state["context"]
             self._open_channel(replica)
+        if scale.plumbing_nice:  # this process only relays now; its threads and those they start later
+            keep_other_threads_lowered(scale.plumbing_nice)
         self.status = "ready"
         self.event({"event": "start", "replicas": names, "learner_groups": scale.learner_groups, "address": scale.address,
                     "replica_cpus": cpus, "learner_cpus": scale.learner_cpus, "learn": config.learning, "draft": config.draft})

@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 import torch
 
+from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.scale.learners import RemoteLearner, group_of
 from onlinespec.serve.core import CoreConfig, Served, ServeError, ServingCore
@@ -31,7 +32,7 @@ GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to
 
 
 class ReplicaService:
-    def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int) -> None:
+    def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int, plumbing_nice: int = PLUMBING_NICE) -> None:
         torch.set_num_threads(threads)
         handler = logging.StreamHandler(sys.stderr)  # request log lines, as the single-process server writes them
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -45,6 +46,8 @@ class ReplicaService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.core = ServingCore(config, out_dir, replica=replica, learners=self._learner if config.learning else None)
         self.core.load()
+        if plumbing_nice:  # Ray's threads and ours but the engine's OpenMP team: they only carry messages
+            keep_other_threads_lowered(plumbing_nice)
         # model work off the engine thread (loading a published version) runs here, on one torch thread
         self._side = ThreadPoolExecutor(1, thread_name_prefix="onlinespec-follow", initializer=torch.set_num_threads, initargs=(1,))
 

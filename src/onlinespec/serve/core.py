@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from onlinespec.api import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K, engine_options, make_proposer
+from onlinespec.cpu import ENGINE_THREAD, name_thread
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
 from onlinespec.decoding.request import Generation, RequestState, RequestStats
 from onlinespec.decoding.sampling import SamplingParams
@@ -327,6 +328,7 @@ class ServingCore:
             raise LoadFailed(f"the serving core failed to load: {self.error}")
 
     def _run(self, loaded: threading.Event) -> None:
+        name_thread(ENGINE_THREAD)  # and its OpenMP team, started from it: what a Ray replica keeps at full priority
         try:
             self._load()
         except Exception as err:
@@ -642,6 +644,7 @@ class ServingCore:
     # ---- recording (one thread) ------------------------------------------------------------------
 
     def _record_loop(self) -> None:
+        name_thread("onlinespec-rec")
         torch.set_num_threads(1)  # see the module docstring: the engine thread keeps the cores
         while (handle := self._finished.get()) is not None:
             try:
@@ -653,6 +656,7 @@ class ServingCore:
     def _housekeeping(self) -> None:
         """Every second: retention, and a CURRENT another process changed (a rollback loads a
         version here, one torch thread, never on the recorder: answers never wait for it)."""
+        name_thread("onlinespec-house")
         torch.set_num_threads(1)
         while not self._stopping:
             time.sleep(TICK_SECONDS)

@@ -54,6 +54,8 @@ class ServeMetrics:
                              "alpha: a cluster's served alpha fell; new_cluster: a cluster went live)", ("kind",), registry=r)
         self.lifecycle = Counter(name("draft_lifecycle"), "Content routing: drafts spawned, evicted, reloaded, retired (merged)",
                                  ("action",), registry=r)
+        self.unscored = Counter(name("routing_requests_unscored"), "Content routing: requests the scorer fell too far behind "
+                                "to score (its backlog's oldest)", registry=r)
         self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
         self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
         self._versions: dict[str, str] = {}
@@ -94,6 +96,8 @@ class ServeMetrics:
             self.lifecycle.labels(kind[6:]).inc()
         elif kind == "merge" and event.get("retired"):
             self.lifecycle.labels("retired").inc()
+        elif kind == "scorer_behind":
+            self.unscored.inc(event["dropped"])
         self.clusters.set(sum(k.live for k in pool.content.clusters.values()))
         self.in_memory.set(len(pool.drafts))
 
