@@ -11,6 +11,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.pool import ROUTING_FILE
 from onlinespec.serve.core import CoreConfig, ServingCore
 
@@ -59,6 +60,13 @@ def test_content_routing_clusters_serves_losslessly_evicts_reloads_and_restarts(
         assert len(routing["in_memory"]) == 1 and len(routing["evicted"]) == 1
         states = {row["name"]: row["state"] for row in core.drafts()}
         assert any(s.startswith("evicted") for s in states.values()) and "static" in states
+        # a purge reaches the records of a draft that is on disk only
+        (evicted,) = routing["evicted"]
+        served = {s.request_id: s for s in words + back + digits}
+        victim = next(rid for rid, s in served.items() if home(s) == evicted)
+        assert core.purge(request_id=victim)["records_deleted"] == 1
+        left = ReplayBuffer(tmp_path / "run" / "buffer" / evicted, max_records=10**9, max_bytes=2**62).records()
+        assert left and victim not in {r.request_id for r in left}
         metrics = core.metrics.text().decode()
         assert "onlinespec:drift_detections_total" in metrics and 'onlinespec:draft_lifecycle_total{action="spawned"} 2.0' in metrics
     finally:

@@ -66,6 +66,7 @@ SUFFIX_FILES = "suffix-index*.safetensors"
 def replica_suffix_file(replica: str) -> str:
     return f"suffix-index.{replica}.safetensors"
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
+RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts content routing keeps on disk only
 SCORE_BACKLOG = 256  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 20 MB of records)
 
 
@@ -118,12 +119,15 @@ def saved_drafts(out_dir: str | Path) -> list[str]:
     return [p.name for p in sorted(found, key=first)]
 
 
-def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> int:
-    """Purge the suffix indices a stopped server left in ``out_dir`` (``onlinespec data purge``):
-    the requests leave every saved index, and set-aside (unreadable) copies are deleted; how many
-    indexed requests went."""
+def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, before: float | None = None,
+                       drafts: list[str] | None = None) -> int:
+    """Purge the suffix indices saved in ``out_dir`` (all of a stopped server's, for ``onlinespec
+    data purge``; a running one's drafts that are not in memory, ``drafts``): the requests leave
+    every saved index, and set-aside (unreadable) copies are deleted; how many indexed requests went."""
     removed = 0
-    for path in sorted((Path(out_dir) / "drafts").glob(f"*/{SUFFIX_FILES}")):
+    root = Path(out_dir) / "drafts"
+    folders = sorted(root.glob("*")) if drafts is None else [root / name for name in drafts]
+    for path in sorted(f for folder in folders for f in folder.glob(SUFFIX_FILES)):
         index = SuffixIndex(max_tokens=2**62)
         try:
             index.load(path)
@@ -134,7 +138,7 @@ def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, befor
         if gone:
             index.save(path)
             removed += gone
-    for folder in (Path(out_dir) / "drafts").glob("*"):
+    for folder in folders:
         _delete_set_aside(folder)
     return removed
 
@@ -351,6 +355,9 @@ class DraftPool:
                     while len(self.drafts) > self.max_in_memory and self._evict_idlest():
                         pass
                 self.save_routing()
+                if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
+                    self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
+                    self._purge_on_disk(None, time.time() - self.retention_seconds)
             except Exception:  # never stops the housekeeping
                 log.exception("content routing's housekeeping failed; serving goes on")
         for learner in self.learners:
@@ -361,8 +368,9 @@ class DraftPool:
                 log.exception("housekeeping of draft %s failed; serving goes on", learner.registry.directory.name)
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
-        """Delete a request's records (or those recorded before ``before``) from every buffer."""
-        removed = 0
+        """Delete a request's records (or those recorded before ``before``) from every buffer:
+        the drafts' in memory, and those on disk only (content routing evicted or retired them)."""
+        removed = self._purge_on_disk(request_id, before)
         for learner in self.learners:
             removed += learner.purge(request_id, before)
         for draft in list(self.drafts.values()):
@@ -373,6 +381,22 @@ class DraftPool:
                 draft.suffix.save(draft.suffix_path)  # durable now: the purge is acknowledged
                 self.suffix_purged += gone
             _delete_set_aside(draft.suffix_path.parent)
+        return removed
+
+    def _purge_on_disk(self, request_id: str | None, before: float | None) -> int:
+        """Purge the buffers and suffix indices of the drafts content routing keeps on disk only
+        (evicted, or retired by a merge); under the pool's lock, so none is reloaded meanwhile.
+        Each buffer is read whole to do it: a purge, or a retention sweep every few minutes."""
+        if self.content is None:
+            return 0
+        removed = 0
+        with self._lock:
+            names = sorted((self.evicted | set(self.retired)) - set(self.drafts))
+            for name in names:
+                folder = self.out_dir / "buffer" / name
+                if folder.is_dir():
+                    removed += ReplayBuffer(folder, max_records=10**9, max_bytes=2**62).purge(request_id, before)
+            self.suffix_purged += purge_saved_suffix(self.out_dir, request_id, before, drafts=names)
         return removed
 
     def governance(self) -> dict:
@@ -417,6 +441,7 @@ class DraftPool:
         proposer, adaptive = self.new_draft()
         self.static = Draft(STATIC, proposer, adaptive, None)  # the floor: scored on every request, never trained
         self._routing_dirty, self._routing_saved_at = False, 0.0
+        self._swept_at = time.monotonic()  # the last retention sweep of the drafts on disk only
         self._last_home: str | None = None
         self._scores: queue.Queue = queue.Queue(SCORE_BACKLOG)
         self.scores_dropped, self._dropped_reported, self._dropped_at = 0, 0, float("-inf")
