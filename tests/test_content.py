@@ -59,6 +59,27 @@ def test_a_new_domain_is_detected_and_gets_a_cluster_and_a_returning_one_its_own
     assert [e["event"] for e in router.events] == ["cluster_returned"]
 
 
+def test_a_return_is_seen_even_when_other_traffic_kept_the_cluster_busy():
+    """Real traffic overlaps (chat prompts about code land in the code cluster), so a cluster is
+    seldom idle between its visits: its return is the moment it takes most of the traffic again."""
+    draw = domain_embeddings(seed=5)
+    router = ContentRouter(ContentConfig(idle_requests=30))
+    serve(router, draw, "a" * 40)
+    serve(router, draw, "b" * 20)  # b founds its cluster
+    router.events.clear()
+    serve(router, draw, "".join("a" if i % 7 == 0 else "b" for i in range(60)))  # a trickle of a: never idle 30 requests
+    assert [e for e in router.events if e["event"] == "cluster_returned"] == []
+    seen_at = []
+    for i in range(20):
+        back = router.assign(draw("a"))
+        seen_at += [i] * sum(e["event"] == "cluster_returned" for e in router.events)
+        router.events.clear()
+    assert len(seen_at) == 1 and seen_at[0] < 10  # once, within 10 requests of the return
+    assert back.cluster == serve(router, draw, "a")[0].cluster != router.assign(draw("b")).cluster  # to a's own cluster
+    again = ContentRouter.from_state(router.state())
+    assert again._history == router._history and again.cluster(back.cluster).returned_at == router.cluster(back.cluster).returned_at is not None
+
+
 def test_on_one_domain_nothing_is_detected():
     draw = domain_embeddings(seed=3)
     router = ContentRouter()

@@ -26,8 +26,9 @@ The pieces, all driven by :class:`~onlinespec.online.pool.DraftPool`:
   which founds a cluster for the far prompts and gives it a draft of its own, spawned from the
   draft that scored best on those very prompts; one per cluster on its served alpha (a
   fall), which starts the cluster's draft's next update now, and gives the cluster a draft of its
-  own when it shared one. A cluster that comes back after ``idle_requests`` requests elsewhere is
-  an event too (its draft is reloaded if it was evicted).
+  own when it shared one. A cluster that comes back is an event too (its draft is reloaded if it
+  was evicted): after ``idle_requests`` requests elsewhere, or, where other traffic kept sending
+  it a few requests, once it takes most of the latest ones after few of those before.
 - **Merging**: two live clusters whose centroids come within ``merge_threshold`` become one; if
   their drafts differ, the better-scoring one is kept and the other retired.
 
@@ -58,6 +59,9 @@ class ContentConfig:
     eta: float = 8.0  # Hedge's learning rate on the loss 1 - alpha (the weights reported)
     switch_margin: float = 0.005  # a challenger must score this much better to replace the serving draft
     idle_requests: int = 50  # a cluster that gets a request after this many elsewhere has "returned"
+    return_recent: int = 10  # ... and so has one that takes return_share of these last requests
+    return_share: float = 0.6
+    return_quiet: float = 0.2  # after at most this share of the idle_requests before them (other traffic overlapped it)
     distance_delta: float = 0.02  # Page-Hinkley on the distance to the nearest cluster (a rise)
     distance_lambda: float = 0.2
     alpha_delta: float = 0.05  # Page-Hinkley on each cluster's served alpha (a fall)
@@ -72,6 +76,9 @@ class ContentConfig:
                self.idle_requests, self.min_samples) < 1:
             raise ValueError("min_far, far_prompts, far_memory, max_clusters, centroid_memory, score_memory, "
                              "idle_requests and min_samples must be >= 1")
+        if not 0 <= self.return_quiet < self.return_share <= 1 or self.return_recent < 1:
+            raise ValueError(f"need 0 <= return_quiet < return_share <= 1 and return_recent >= 1, got {self.return_quiet}, "
+                             f"{self.return_share} and {self.return_recent}")
         if min(self.distance_delta, self.distance_lambda, self.alpha_delta, self.alpha_lambda, self.eta) <= 0 or self.switch_margin < 0:
             raise ValueError("the detectors' delta and lambda and eta must be > 0, switch_margin >= 0")
 
@@ -121,6 +128,7 @@ class Cluster:
     last_seen: int = 0  # the router's request count at its last request
     born: int = 0
     parent: str | None = None  # the draft that scored best on the prompts that founded it (its draft starts from it)
+    returned_at: int | None = None  # the router's request count when it was last seen to return
     alpha: PageHinkley | None = None
 
     def mean_score(self, draft: str) -> float | None:
@@ -155,6 +163,7 @@ class ContentRouter:
         self._far: list[tuple[int, torch.Tensor, int]] = []  # (request, embedding, cluster served as): prompts far from every cluster
         self._merged: dict[int, int] = {}  # a merged cluster's id -> the cluster it joined
         self._request_scores: dict[int, dict[str, float]] = {}  # the last far_memory requests' scores, by request number
+        self._history: list[int] = []  # the clusters of the last idle_requests + return_recent requests, oldest first
 
     def _distance_detector(self) -> PageHinkley:
         c = self.config
@@ -194,13 +203,31 @@ class ContentRouter:
                 self._found("drift" if alarmed else "members")
                 nearest, _ = self._nearest(embedding)
         self._join(nearest, embedding, hint)
-        if nearest.last_seen and self.requests - nearest.last_seen > c.idle_requests:
-            self.events.append({"event": "cluster_returned", "cluster": nearest.id, "idle_requests": self.requests - nearest.last_seen,
-                                "draft": nearest.draft})
+        self._history = [*self._history, nearest.id][-(c.idle_requests + c.return_recent):]
+        self._maybe_returned(nearest)
         nearest.last_seen = self.requests
         self._maybe_merge(nearest)
         cluster = self._alias(nearest.id)
         return Assignment(cluster, cluster, distance, self.requests)
+
+    def _maybe_returned(self, cluster: Cluster) -> None:
+        """A ``cluster_returned`` event when a cluster's traffic comes back: its first request after
+        ``idle_requests`` elsewhere, or (where other traffic overlapped it, so it was never idle)
+        ``return_share`` of the last ``return_recent`` requests after at most ``return_quiet`` of
+        the ``idle_requests`` before them. Once per return."""
+        c = self.config
+        idle = self.requests - cluster.last_seen if cluster.last_seen else 0
+        why = "idle" if idle > c.idle_requests else None
+        if why is None and len(self._history) == c.idle_requests + c.return_recent and cluster.born <= self.requests - len(self._history):
+            before, recent = self._history[:c.idle_requests], self._history[c.idle_requests:]
+            again = cluster.returned_at is None or self.requests - cluster.returned_at > len(self._history)
+            if again and recent.count(cluster.id) >= c.return_share * c.return_recent and before.count(cluster.id) <= c.return_quiet * c.idle_requests:
+                why = "share"
+        if why is not None:
+            cluster.returned_at = self.requests
+            self.events.append({"event": "cluster_returned", "cluster": cluster.id, "why": why, "idle_requests": idle,
+                                "share": round(self._history[-c.return_recent:].count(cluster.id) / min(c.return_recent, len(self._history)), 2),
+                                "draft": cluster.draft})
 
     def _nearest(self, embedding: torch.Tensor) -> tuple[Cluster | None, float]:
         order, matrix = self._matrix()
@@ -380,7 +407,7 @@ class ContentRouter:
             row["alpha"] = asdict(k.alpha) if k.alpha else None
             clusters.append(row)
         return {"config": asdict(self.config), "requests": self.requests, "next_id": self.next_id, "clusters": clusters,
-                "merged": {str(a): b for a, b in self._merged.items()}, "distance": asdict(self.distance)}
+                "merged": {str(a): b for a, b in self._merged.items()}, "distance": asdict(self.distance), "history": self._history}
 
     @classmethod
     def from_state(cls, state: dict, config: ContentConfig | None = None) -> "ContentRouter":
@@ -393,6 +420,7 @@ class ContentRouter:
             router.clusters[cluster.id] = cluster
         router._merged = {int(a): b for a, b in state.get("merged", {}).items()}
         router.distance = PageHinkley(**state["distance"])
+        router._history = list(state.get("history", []))
         return router
 
     def summary(self) -> list[dict]:

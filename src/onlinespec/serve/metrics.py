@@ -51,7 +51,7 @@ class ServeMetrics:
         self.learner_stopped = Gauge(name("learner_stopped"), "1 while a draft's learner has stopped after failures", ("draft",), registry=r)
         self.version = Gauge(name("draft_version_info"), "1 for the version each draft serves", ("draft", "version"), registry=r)
         self.drift = Counter(name("drift_detections"), "Content routing: detected changes (prompts: unlike the clusters; "
-                             "alpha: a cluster's served alpha fell; new_cluster: a cluster went live)", ("kind",), registry=r)
+                             "alpha: a cluster's served alpha fell; new_cluster: a cluster went live; returned: a cluster's traffic came back)", ("kind",), registry=r)
         self.lifecycle = Counter(name("draft_lifecycle"), "Content routing: drafts spawned, evicted, reloaded, retired (merged)",
                                  ("action",), registry=r)
         self.unscored = Counter(name("routing_requests_unscored"), "Content routing: requests the scorer fell too far behind "
@@ -92,6 +92,8 @@ class ServeMetrics:
             self.drift.labels(event["kind"]).inc()
         elif kind == "cluster" and event.get("why") != "first":
             self.drift.labels("new_cluster").inc()
+        elif kind == "cluster_returned":
+            self.drift.labels("returned").inc()
         elif kind.startswith("draft_") and kind[6:] in ("spawned", "evicted", "reloaded"):
             self.lifecycle.labels(kind[6:]).inc()
         elif kind == "merge" and event.get("retired"):
