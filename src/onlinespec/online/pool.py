@@ -67,7 +67,8 @@ def replica_suffix_file(replica: str) -> str:
     return f"suffix-index.{replica}.safetensors"
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
 RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts content routing keeps on disk only
-SCORE_BACKLOG = 256  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 20 MB of records)
+SCORE_BACKLOG = 32  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 2.5 MB of records).
+# Scored in order, so a full backlog is how late each score arrives: about the scores' memory (ContentConfig.score_memory)
 
 
 @dataclass
