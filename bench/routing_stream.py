@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--stationary", type=int, default=500)
     parser.add_argument("--stationary-tokens", type=int, default=8)
     parser.add_argument("--window", type=int, default=30)
-    parser.add_argument("--only", default=None, help="comma-separated runs to (re)run; the others are read from WORK")
+    parser.add_argument("--only", default=None, help="comma-separated runs to (re)run; the others are read from WORK (none: report only)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("docs/routing-stream"))
     args = parser.parse_args()
@@ -165,7 +165,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     routing_report(WORK / "content", args.out.with_suffix(".png"), segments=[(b, d) for b, d in zip(bounds, ORDER)])
     command = (f"python bench/routing_stream.py --segment {n} --max-new-tokens {args.max_new_tokens} --concurrency {args.concurrency} "
-               f"--interval {args.interval} --max-drafts {args.max_drafts} --stationary {args.stationary}")
+               f"--interval {args.interval} --max-drafts {args.max_drafts} --stationary {args.stationary} "
+               f"--stationary-tokens {args.stationary_tokens}")
     lines = [f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
              f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "", "```json", json.dumps(figures, indent=1), "```"]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
