@@ -105,26 +105,32 @@ def cpu_spent(before: dict, after: dict) -> dict[str, dict[str, float]]:
             "preempted": {n: int(t[2]) for n, t in kept}}
 
 
-def serve(name: str, args, queries, work: Path, round_: int) -> dict:
+def server_args(name: str, args, out: Path, n: int) -> list[str]:
+    """`onlinespec serve`'s arguments for server ``name`` (SERVERS), writing to ``out``."""
+    return [*SERVERS[name], "--out-dir", str(out), "--max-batch", str(args.max_batch), "--max-waiting", str(n),
+            "--default-max-tokens", str(args.max_tokens)]
+
+
+def warmed_client(server, queries) -> tuple:
+    """An `openai` client of a ready server and its model's name, after a warm-up not measured."""
     import openai
 
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    for q in queries[:4]:
+        send(client, model, q, 8)
+    return client, model
+
+
+def serve(name: str, args, queries, work: Path, round_: int) -> dict:
     from onlinespec.serve.server import ServerProcess
 
-    out = work / f"{name}-{round_}"
-    server_args = [*SERVERS[name], "--out-dir", str(out), "--max-batch", str(args.max_batch), "--max-waiting", str(len(queries)),
-                   "--default-max-tokens", str(args.max_tokens)]
-    print(f"[{name} #{round_}] onlinespec serve {' '.join(server_args)}", flush=True)
+    command = server_args(name, args, work / f"{name}-{round_}", len(queries))
+    print(f"[{name} #{round_}] onlinespec serve {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    with ServerProcess(server_args, log=work / f"{name}-{round_}.log") as server:
+    with ServerProcess(command, log=work / f"{name}-{round_}.log") as server:
         ready = time.perf_counter() - started
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
-        for q in queries[:4]:  # warm-up, not measured
-            send(client, model, q, 8)
-        if args.whole:
-            import serve_load
-
-            serve_load.send = send_whole  # run_level sends through it
+        client, model = warmed_client(server, queries)
         before = process_cpu(server.process.pid)
         level = run_level(client, model, queries, args.max_tokens, args.concurrency)
         cpu = cpu_spent(before, process_cpu(server.process.pid))
@@ -137,8 +143,6 @@ def paired(args, queries, work: Path) -> dict:
     """Both servers up; each block of ``args.block`` requests sent to one, then the other."""
     import contextlib
 
-    import openai
-
     from onlinespec.benchmark import machine_info
     from onlinespec.metrics import bootstrap_ratio
     from onlinespec.serve.server import ServerProcess
@@ -147,14 +151,10 @@ def paired(args, queries, work: Path) -> dict:
     with contextlib.ExitStack() as stack:
         servers, clients = {}, {}
         for name in names:
-            server_args = [*SERVERS[name], "--out-dir", str(work / f"paired-{name}"), "--max-batch", str(args.max_batch),
-                           "--max-waiting", str(len(queries)), "--default-max-tokens", str(args.max_tokens)]
-            print(f"[{name}] onlinespec serve {' '.join(server_args)}", flush=True)
-            servers[name] = stack.enter_context(ServerProcess(server_args, log=work / f"paired-{name}.log"))
-            client = openai.OpenAI(base_url=servers[name].url + "/v1", api_key="none", max_retries=0, timeout=600)
-            clients[name] = (client, client.models.list().data[0].id)
-            for q in queries[:4]:  # warm-up, not measured
-                send(*clients[name], q, 8)
+            command = server_args(name, args, work / f"paired-{name}", len(queries))
+            print(f"[{name}] onlinespec serve {' '.join(command)}", flush=True)
+            servers[name] = stack.enter_context(ServerProcess(command, log=work / f"paired-{name}.log"))
+            clients[name] = warmed_client(servers[name], queries)
         both = [servers[n].process.pid for n in names]
         blocks = [queries[i:i + args.block] for i in range(0, len(queries), args.block)]
         pairs, cpu, texts = [], {n: {} for n in names}, {n: {} for n in names}
@@ -276,13 +276,13 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or DOCS / ("ray-overhead-whole" if args.whole else "ray-overhead-paired" if args.paired else "ray-overhead-streamed")
     path = args.out.with_suffix(".json")
+    if args.whole:
+        import serve_load
+
+        serve_load.send = send_whole  # run_level sends through it (the warm-up still streams)
     if args.paired:
         if not args.report_only:
             args.work.mkdir(parents=True, exist_ok=True)
-            if args.whole:
-                import serve_load
-
-                serve_load.send = send_whole
             path.write_text(json.dumps(paired(args, held_out(args.n), args.work), indent=2))
         summary = json.loads(path.read_text())
         plot_paired(summary, args.out.with_suffix(".png"))

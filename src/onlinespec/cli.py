@@ -671,8 +671,7 @@ def data_purge(
 ) -> None:
     """Delete training records from every draft's replay buffer and suffix index, by request or by age. A server
     running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
-    from onlinespec.online.buffer import ReplayBuffer
-    from onlinespec.online.pool import purge_saved_suffix
+    from onlinespec.online.pool import purge_saved_buffers, purge_saved_suffix
     from onlinespec.online.storage import OutDirBusy, OutDirLock, drop_events
 
     if (request_id is None) == (older_than_days is None):
@@ -686,8 +685,7 @@ def data_purge(
         raise typer.Exit(2) from None
     try:
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
-        folders = sorted(p for p in (out_dir / "buffer").iterdir() if p.is_dir()) if (out_dir / "buffer").is_dir() else []
-        removed = {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
+        removed = purge_saved_buffers(out_dir, request_id, before)
         indexed = purge_saved_suffix(out_dir, request_id, before)  # the suffix indices hold their tokens too
         events = out_dir / "events.jsonl"  # its lines about them go too (with --log-text they hold text)
         drop_events(events, request_id, before)

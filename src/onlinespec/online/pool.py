@@ -44,7 +44,6 @@ from safetensors import SafetensorError
 
 from onlinespec.content import STATIC, ContentConfig, ContentRouter
 from onlinespec.cpu import lower_priority, name_thread
-
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
@@ -118,6 +117,16 @@ def saved_drafts(out_dir: str | Path) -> list[str]:
     found = [p for p in root.iterdir() if (p / "CURRENT").exists() or (p / SUFFIX_FILE).exists()] if root.is_dir() else []
     first = lambda p: next((f.stat().st_mtime for f in (p / "v0001", p / SUFFIX_FILE) if f.exists()), 0)  # noqa: E731
     return [p.name for p in sorted(found, key=first)]
+
+
+def purge_saved_buffers(out_dir: str | Path, request_id: str | None = None, before: float | None = None,
+                        drafts: list[str] | None = None) -> dict[str, int]:
+    """Purge the replay buffers saved in ``out_dir`` (all of a stopped server's, for ``onlinespec
+    data purge``; a running one's drafts that are not in memory, ``drafts``), each read whole:
+    how many records went, by draft."""
+    root = Path(out_dir) / "buffer"
+    folders = sorted(p for p in root.glob("*") if p.is_dir()) if drafts is None else [root / n for n in drafts if (root / n).is_dir()]
+    return {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
 
 
 def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, before: float | None = None,
@@ -390,13 +399,9 @@ class DraftPool:
         Each buffer is read whole to do it: a purge, or a retention sweep every few minutes."""
         if self.content is None:
             return 0
-        removed = 0
         with self._lock:
             names = sorted((self.evicted | set(self.retired)) - set(self.drafts))
-            for name in names:
-                folder = self.out_dir / "buffer" / name
-                if folder.is_dir():
-                    removed += ReplayBuffer(folder, max_records=10**9, max_bytes=2**62).purge(request_id, before)
+            removed = sum(purge_saved_buffers(self.out_dir, request_id, before, drafts=names).values())
             self.suffix_purged += purge_saved_suffix(self.out_dir, request_id, before, drafts=names)
         return removed
 

@@ -30,7 +30,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # each barrier for one that a nice-0 process preempted), at nice 0 as fast (docs/scale.md). A
 # learner thread still lowers itself to nice 19 (LearnerConfig.priority).
 os.environ.setdefault("RAY_worker_niceness", "0")
-# Ray starts idle workers ahead of need; one sat beside a replica polling the raylet (1.4-1.6 CPU
+# Ray starts idle workers ahead of need; one sat beside a replica polling the raylet (1.35-1.55 CPU
 # seconds in 200 s of serving, docs/scale.md). Our actors are few and long-lived: start on demand.
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
