@@ -51,6 +51,7 @@ log = logging.getLogger("onlinespec.scale")
 
 HEALTH_SECONDS = 2.0  # how often the front checks its replicas (a restarted one rejoins the rotation)
 CALL_TIMEOUT = 60.0  # seconds an operator's call to an actor may take
+RELAY_JOIN_SECONDS = 10.0  # at shutdown, how long the front waits for a stopped replica's events stream to end
 
 
 @dataclass
@@ -217,6 +218,13 @@ class RayCore:
                     ray.get(learner.shutdown.remote(), timeout=120)
                 except Exception as err:
                     log.error("a learner actor did not stop cleanly: %s", err)
+            # a relay thread still inside Ray when Ray stops would make Ray end this process (exit 1);
+            # each one's stream ends once its replica has stopped
+            for replica in self.replicas:
+                if replica.channel is not None:
+                    replica.channel.join(RELAY_JOIN_SECONDS)
+                    if replica.channel.is_alive():
+                        log.error("replica %s's events stream did not end within %g s", replica.name, RELAY_JOIN_SECONDS)
         self.event({"event": "stop", "replicas": [{"name": r.name, "served": r.served, "restarts": r.restarts} for r in self.replicas]})
         self.status = "stopped"
         self._stopped.set()

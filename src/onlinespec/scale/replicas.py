@@ -43,6 +43,7 @@ class ReplicaService:
         self.replica, self.learners = replica, learners
         self._open: dict[str, object] = {}  # the front's key -> the handle of a request this replica serves
         self._wake = asyncio.Event()
+        self._stopped = False  # set by shutdown: the events stream ends once it has sent every request's last event
         self._loop: asyncio.AbstractEventLoop | None = None
         self.core = ServingCore(config, out_dir, replica=replica, learners=self._learner if config.learning else None)
         self.core.load()
@@ -104,6 +105,8 @@ class ReplicaService:
                         self._open.pop(key, None)
             if batch:
                 yield batch
+            if self._stopped and not self._open:
+                return  # the front's relay thread ends with it, before the front stops Ray
 
     async def follow(self) -> dict:
         """Serve every draft's CURRENT now (a publication or a rollback); what each draft serves."""
@@ -136,6 +139,8 @@ class ReplicaService:
 
     async def shutdown(self, drain_seconds: float) -> None:
         await asyncio.to_thread(self.core.shutdown, drain_seconds)
+        self._stopped = True
+        self._wake.set()
 
 
 def replica_actor(cpus: float):
