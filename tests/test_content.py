@@ -5,6 +5,7 @@ as before."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -161,6 +162,27 @@ def test_a_restart_routes_as_before():
     probes = [draw(d) for d in "abab"]
     assert [router.assign(p).cluster for p in probes] == [again.assign(p).cluster for p in probes]
     assert again.summary() == router.summary()
+
+
+def test_a_restart_in_the_middle_of_a_shift_founds_the_new_cluster_as_the_running_router_would():
+    draw = domain_embeddings(seed=11)
+    router = ContentRouter()
+    serve(router, draw, "a" * 40)
+    probes = [draw("b") for _ in range(12)]
+    for i in range(len(probes)):  # restarted after each of b's first prompts (far ones pending, an alarm raised or not)
+        restarted, running = ContentRouter.from_state(router.state()), copy.deepcopy(router)
+        assert [restarted.assign(p).cluster for p in probes[i:]] == [running.assign(p).cluster for p in probes[i:]], i
+        router.assign(probes[i])
+    assert len([k for k in router.clusters.values() if k.live]) == 2  # b was founded on the way
+
+
+def test_a_restart_takes_the_detectors_settings_in_force_and_keeps_what_they_saw():
+    draw = domain_embeddings(seed=12)
+    router = ContentRouter()
+    serve(router, draw, "a" * 30)
+    again = ContentRouter.from_state(router.state(), ContentConfig(distance_lambda=7.0, alpha_lambda=9.0))
+    assert again.distance.threshold == 7.0 and all(k.alpha.threshold == 9.0 for k in again.clusters.values())
+    assert (again.distance.n, again.distance.cumulative) == (router.distance.n, router.distance.cumulative)
 
 
 def test_bad_settings_are_refused_with_what_to_fix():

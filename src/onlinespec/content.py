@@ -113,6 +113,13 @@ class PageHinkley:
         self.n, self.mean, self.cumulative, self.extreme = 0, 0.0, 0.0, 0.0
 
 
+def _resumed(detector: PageHinkley, saved: dict | None) -> PageHinkley:
+    """``detector`` (the settings in force) carrying on from a saved one's running sums."""
+    if saved:
+        detector.n, detector.mean, detector.cumulative, detector.extreme = (saved[k] for k in ("n", "mean", "cumulative", "extreme"))
+    return detector
+
+
 @dataclass
 class Cluster:
     id: int
@@ -407,20 +414,28 @@ class ContentRouter:
             row["alpha"] = asdict(k.alpha) if k.alpha else None
             clusters.append(row)
         return {"config": asdict(self.config), "requests": self.requests, "next_id": self.next_id, "clusters": clusters,
-                "merged": {str(a): b for a, b in self._merged.items()}, "distance": asdict(self.distance), "history": self._history}
+                "merged": {str(a): b for a, b in self._merged.items()}, "distance": asdict(self.distance), "history": self._history,
+                # a founding in progress: the far prompts, the pending alarm, and the scores that pick the new draft's parent
+                "alarm": self._alarm, "far": [[n, [round(x, 6) for x in e.tolist()], k] for n, e, k in self._far],
+                "request_scores": {str(n): scores for n, scores in self._request_scores.items()}}
 
     @classmethod
     def from_state(cls, state: dict, config: ContentConfig | None = None) -> "ContentRouter":
+        """The router :meth:`state` saved, under ``config`` (default: the saved one): the
+        detectors keep what they have seen and take their settings from ``config``."""
         router = cls(config or ContentConfig(**state["config"]))
         router.requests, router.next_id = state["requests"], state["next_id"]
         for row in state["clusters"]:
             alpha = row.pop("alpha")
             cluster = Cluster(**row)
-            cluster.alpha = PageHinkley(**alpha) if alpha else router._alpha_detector()
+            cluster.alpha = _resumed(router._alpha_detector(), alpha)
             router.clusters[cluster.id] = cluster
         router._merged = {int(a): b for a, b in state.get("merged", {}).items()}
-        router.distance = PageHinkley(**state["distance"])
+        router.distance = _resumed(router._distance_detector(), state["distance"])
         router._history = list(state.get("history", []))
+        router._alarm = state.get("alarm")
+        router._far = [(n, torch.tensor(e, dtype=torch.float32), k) for n, e, k in state.get("far", [])]
+        router._request_scores = {int(n): scores for n, scores in state.get("request_scores", {}).items()}
         return router
 
     def summary(self) -> list[dict]:

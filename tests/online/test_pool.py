@@ -44,3 +44,40 @@ def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_re
     assert starts == ["a", "b", "c"]
     assert not any(learner.due or learner.busy for learner in pool.learners)
     assert [len(learner.reports) for learner in pool.learners] == [1, 1, 1]
+
+
+def test_a_spawned_draft_starts_from_its_parent_and_its_first_version_says_so(tiny_llama, tmp_path):
+    new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
+    config = LearnerConfig(update_interval=100, priority="normal")
+    pool = DraftPool(new_draft, tmp_path, Router("domain"), config)
+    parent = pool.open("code")
+    with torch.no_grad():  # the parent learnt something the starting draft does not have
+        for p in parent.proposer.model.parameters():
+            p.add_(0.5)
+    child = pool.drafts["c1-code"] = pool._create("c1-code", start_from=parent)
+    meta = child.learner.registry.meta(child.version)
+    assert meta["spawned_from"] == {"draft": "code", "version": parent.version} and meta["parent"] is None
+    # reloaded from its registry (evicted, or after a restart): the parent's copy, not the starting draft
+    again = DraftPool(new_draft, tmp_path, Router("domain"), config).open("c1-code")
+    for mine, theirs in zip(again.proposer.model.state_dict().values(), parent.proposer.model.state_dict().values()):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_draft_a_merge_retires_while_it_serves_leaves_memory_once_it_is_done(tiny_llama, tmp_path):
+    from onlinespec.content import ContentConfig
+
+    new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
+    pool = DraftPool(new_draft, tmp_path, learner=LearnerConfig(update_interval=100, priority="normal"), content=ContentConfig())
+    try:
+        for name in ("c0", "c1"):
+            pool.drafts[name] = pool._create(name)
+        pool.drafts["c0"].in_flight = 1  # it serves a request when its cluster merges into c1's
+        pool.content.events.append({"event": "merge", "draft": "c1", "retired": "c0", "merged": 0, "cluster": 1})
+        with pool._lock:
+            pool._apply_events()
+        assert "c0" in pool.drafts and "c0" in pool.retired
+        pool.drafts["c0"].in_flight = 0
+        pool.tick()
+        assert set(pool.drafts) == {"c1"} and "c0" not in pool.evicted  # retired, not waiting to come back
+    finally:
+        pool.stop_scoring()

@@ -128,12 +128,15 @@ class OnlineLearner:
         on_event: Callable[[dict], None] | None = None,
         slot: threading.Semaphore | None = None,
         identity: dict | None = None,
+        origin: dict | None = None,
     ) -> None:
         """``on_event`` is called from the learner thread when an update starts and when it ends.
         ``slot``: shared by the learners of several drafts, so that one update runs at a time
         (each has the CPU budget to itself); a due update waits for it, it is never dropped.
         ``identity`` (target, draft spec, tokenizer) goes into every published version's
-        metadata; a registry written for another identity is refused."""
+        metadata; a registry written for another identity is refused. ``origin``: where the
+        proposer's weights came from, for an empty registry's first version (default: the starting
+        draft; a draft spawned by the content router names the draft and version it copied)."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
         self.on_event, self.slot = on_event or (lambda event: None), slot
         self.config = config or LearnerConfig()
@@ -159,7 +162,7 @@ class OnlineLearner:
         current = self._recover()
         if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft",
-                                                           "identity": self.identity})
+                                                           **(origin or {}), "identity": self.identity})
             proposer.version = registry.current()
         # the newest published draft: the next update starts from it even if the proposer has not
         # taken it yet (it swaps between rounds), so no update's work is ever dropped

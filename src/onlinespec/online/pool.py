@@ -186,7 +186,7 @@ class DraftPool:
         ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing).
         ``content``: route by content (:mod:`onlinespec.content`; needs ``learner``), with at
         most ``max_in_memory`` drafts in memory (the idlest others wait in their registries).
-        ``learners(name, proposer)``: where a draft's learner lives (default: here, with its buffer
+        ``learners(name, proposer, origin)``: where a draft's learner lives (default: here, with its buffer
         under ``out_dir/buffer/<name>``; a Ray replica passes a client of its learner actor).
         ``suffix_file``: the file a draft's suffix index is saved as in its registry folder (each
         Ray replica keeps its own)."""
@@ -221,20 +221,24 @@ class DraftPool:
         with self._lock:
             return self.open(self.router(domain))
 
-    def _create(self, name: str, start_from: torch.nn.Module | None = None) -> Draft:
-        """A draft called ``name``: from its registry's current version if it has one, else from
-        ``start_from`` (a model to copy) or the starting draft."""
+    def _create(self, name: str, start_from: Draft | None = None) -> Draft:
+        """A draft called ``name``: from its registry's current version if it has one, else a copy
+        of ``start_from``'s model (its registry's first version says so) or the starting draft."""
         proposer, adaptive = self.new_draft()
+        origin = None
         if start_from is not None and not (self.out_dir / "drafts" / name / "CURRENT").exists():
-            proposer.swap_model(learnable(start_from).copy(start_from), proposer.version)
+            model = start_from.proposer.model
+            proposer.swap_model(learnable(model).copy(model), proposer.version)
             proposer.take_swap()
+            origin = {"note": f"spawned from draft {start_from.name} {start_from.version}",
+                      "spawned_from": {"draft": start_from.name, "version": start_from.version}}
         learner = None
         model_free = getattr(proposer, "suffix_index", None) is not None and not hasattr(proposer, "swap_model")
         if self.learner_config is not None and not model_free:  # a suffix proposer learns through its index alone
             if not hasattr(proposer, "swap_model"):
                 raise ValueError(f"online learning needs a learned draft (a draft LM, a head, a hybrid) or a suffix index, "
                                  f"not {getattr(proposer, 'name', 'none')!r}")
-            learner = self._learners(name, proposer)
+            learner = self._learners(name, proposer, origin)
             data = learner.governance()
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
                            "quarantined": data["quarantined"]})
@@ -242,14 +246,14 @@ class DraftPool:
         self._open_suffix(draft)
         return draft
 
-    def _local_learner(self, name: str, proposer: Proposer) -> OnlineLearner:
+    def _local_learner(self, name: str, proposer: Proposer, origin: dict | None = None) -> OnlineLearner:
         """A learner in this process, with its durable buffer and its registry under the out-dir."""
         buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
                               max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
                               identity=self.identity.get("tokenizer", ""))
         registry = DraftRegistry(self.out_dir / "drafts" / name)
         return OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
-                             on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot)
+                             on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot, origin=origin)
 
     def store(self, name: str, records: list, new_tokens: int) -> bool:
         """Store a request's records (made where it was served) with draft ``name``'s learner,
@@ -361,9 +365,11 @@ class DraftPool:
         self.save_suffix()
         if self.content is not None:
             try:
-                with self._lock:  # a draft loaded past --max-drafts while the others were busy goes once one is idle
+                with self._lock:  # a draft loaded past --max-drafts while the others were busy goes once one is idle,
                     while len(self.drafts) > self.max_in_memory and self._evict_idlest():
                         pass
+                    for name in [n for n, d in self.drafts.items() if n in self.retired and self._idle(d)]:
+                        self._evict(name, why="retired")  # and one a merge retired while it served
                 self.save_routing()
                 if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
                     self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
@@ -512,7 +518,7 @@ class DraftPool:
         if label:
             name = f"c{cluster.id}-{draft_name(label)}"[:63]
         if name not in self.drafts:  # (the first cluster's draft may exist already: the first request's provisional one)
-            start = self._loaded(parent).proposer.model if parent else None
+            start = self._loaded(parent) if parent else None
             self._make_room(keep=name)
             self.drafts[name] = self._create(name, start_from=start)
         cluster.draft = name
@@ -522,16 +528,20 @@ class DraftPool:
     def _make_room(self, keep: str) -> None:
         """Evict the least recently used idle drafts until one more fits in memory."""
         while len(self.drafts) >= self.max_in_memory:
-            idle = [d for n, d in self.drafts.items() if n != keep and d.in_flight == 0 and not (d.learner and d.learner.busy)]
+            idle = [d for n, d in self.drafts.items() if n != keep and self._idle(d)]
             if not idle:  # serving or updating: housekeeping evicts when one is idle again (tick)
                 log.info("%d drafts are in use or updating: one more is loaded beyond --max-drafts %d for now",
                          len(self.drafts), self.max_in_memory)
                 return
             self._evict(min(idle, key=lambda d: d.last_used).name)
 
+    @staticmethod
+    def _idle(draft: Draft) -> bool:
+        """Neither serving nor recording a request, nor updating: it may leave memory."""
+        return draft.in_flight == 0 and not (draft.learner and draft.learner.busy)
+
     def _evict_idlest(self) -> bool:
-        idle = [d for d in self.drafts.values() if d.in_flight == 0 and not (d.learner and d.learner.busy)
-                and d.name != self._last_home]
+        idle = [d for d in self.drafts.values() if self._idle(d) and d.name != self._last_home]
         if idle:
             self._evict(min(idle, key=lambda d: d.last_used).name)
         return bool(idle)
@@ -578,7 +588,7 @@ class DraftPool:
                 retired = event["retired"]
                 self.retired[retired] = f"merged into {event['draft']} (cluster {event['merged']} joined {event['cluster']})"
                 content.forget(retired)
-                if retired in self.drafts and self.drafts[retired].in_flight == 0:
+                if retired in self.drafts and self._idle(self.drafts[retired]):  # else housekeeping does, once it is
                     self._evict(retired, why="retired")
                 self.evicted.discard(retired)
                 self.lifecycle["retired"] += 1

@@ -52,7 +52,8 @@ class ReplicaService:
         # model work off the engine thread (loading a published version) runs here, on one torch thread
         self._side = ThreadPoolExecutor(1, thread_name_prefix="onlinespec-follow", initializer=torch.set_num_threads, initargs=(1,))
 
-    def _learner(self, name: str, proposer) -> RemoteLearner:
+    def _learner(self, name: str, proposer, origin: dict | None = None) -> RemoteLearner:
+        # origin (a draft spawned from another) is content routing's, which runs in one process only
         actor = self.learners[group_of(name, len(self.learners))]
         return RemoteLearner(name, proposer, actor, DraftRegistry(Path(self.core.out_dir) / "drafts" / name), self.core.config.learner,
                              on_event=lambda event: self.core._learner_event({**event, "draft": name}))
