@@ -202,7 +202,7 @@ def routing_report(out_dir: str | Path, path: str | Path, segments: list[tuple[i
     top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     bottom.legend(fontsize=7, loc="lower right")
     top.set_title(f"content routing: {len(requests)} requests, {len(drafts)} drafts served, "
-                  + ", ".join(f"{n} {k}" for k, n in counts.items()))
+                  + ", ".join(f"{k}: {n}" for k, n in counts.items()))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
