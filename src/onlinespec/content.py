@@ -112,12 +112,11 @@ class PageHinkley:
     def reset(self) -> None:
         self.n, self.mean, self.cumulative, self.extreme = 0, 0.0, 0.0, 0.0
 
-
-def _resumed(detector: PageHinkley, saved: dict | None) -> PageHinkley:
-    """``detector`` (the settings in force) carrying on from a saved one's running sums."""
-    if saved:
-        detector.n, detector.mean, detector.cumulative, detector.extreme = (saved[k] for k in ("n", "mean", "cumulative", "extreme"))
-    return detector
+    def resumed(self, saved: dict | None) -> "PageHinkley":
+        """This detector (its settings) carrying on from a saved one's running sums (``asdict``)."""
+        if saved:
+            self.n, self.mean, self.cumulative, self.extreme = saved["n"], saved["mean"], saved["cumulative"], saved["extreme"]
+        return self
 
 
 @dataclass
@@ -428,10 +427,10 @@ class ContentRouter:
         for row in state["clusters"]:
             alpha = row.pop("alpha")
             cluster = Cluster(**row)
-            cluster.alpha = _resumed(router._alpha_detector(), alpha)
+            cluster.alpha = router._alpha_detector().resumed(alpha)
             router.clusters[cluster.id] = cluster
         router._merged = {int(a): b for a, b in state.get("merged", {}).items()}
-        router.distance = _resumed(router._distance_detector(), state["distance"])
+        router.distance = router._distance_detector().resumed(state["distance"])
         router._history = list(state.get("history", []))
         router._alarm = state.get("alarm")
         router._far = [(n, torch.tensor(e, dtype=torch.float32), k) for n, e, k in state.get("far", [])]

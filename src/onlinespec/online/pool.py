@@ -365,11 +365,12 @@ class DraftPool:
         self.save_suffix()
         if self.content is not None:
             try:
-                with self._lock:  # a draft loaded past --max-drafts while the others were busy goes once one is idle,
+                with self._lock:  # drafts that had to stay while busy leave once idle: those loaded past
+                    # --max-drafts while the others were busy, and those a merge retired while they served
                     while len(self.drafts) > self.max_in_memory and self._evict_idlest():
                         pass
                     for name in [n for n, d in self.drafts.items() if n in self.retired and self._idle(d)]:
-                        self._evict(name, why="retired")  # and one a merge retired while it served
+                        self._evict(name, why="retired")
                 self.save_routing()
                 if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
                     self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
