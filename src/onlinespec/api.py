@@ -42,7 +42,8 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
-from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_model
+from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_target
+from onlinespec.tokens import eos_token_ids
 from onlinespec.online.storage import atomic_write
 
 log = logging.getLogger("onlinespec")
@@ -53,7 +54,7 @@ DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
 # target alone in fp32 with greedy output identical on 60/60 (bf16 was faster in absolute terms
 # but its greedy output drifts from the target alone's at bf16 rounding ties).
 DEFAULT_DRAFT = "hybrid"
-DEFAULT_DTYPE = "float32"
+DEFAULT_DTYPE = "auto"  # float32 on a CPU, bfloat16 on CUDA (onlinespec.backends.resolve_dtype_name)
 DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
 
 
@@ -99,12 +100,16 @@ def load_decoder(
     target: str | LoadedModel = "default",
     draft: str = DEFAULT_DRAFT,
     k: int = DEFAULT_K,
-    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    dtype: str = DEFAULT_DTYPE,
     calibrate: bool = True,
     adaptive_k: bool = True,
     max_batch: int = 1,
+    backend: str = "auto",
+    device: str = "auto",
 ) -> SpeculativeDecoder:
     """Load the target (a spec or an already loaded model) and a draft, and pair them.
+    ``backend`` and ``device``: what runs the target (:mod:`onlinespec.backends`; ``auto``:
+    llama.cpp for a GGUF file on a CPU, the packaged default included).
 
     ``calibrate`` times the target's forward per batch size (up to ``max_batch``), block width and
     context length (a few seconds per batch size) and pads verification blocks to the widths this
@@ -112,10 +117,20 @@ def load_decoder(
     per step, only as many proposals as pay on that cost curve at the step's batch size
     (:mod:`onlinespec.decoding.adaptive`; needs ``calibrate``).
     """
-    loaded = target if isinstance(target, LoadedModel) else load_model(target, dtype)
+    loaded = target if isinstance(target, LoadedModel) else load_target(target, dtype, backend, device)
     choice = make_proposer(draft, loaded, dtype)
     options = engine_options(loaded, k, pad=calibrate, adaptive=adaptive_k and calibrate, max_batch=max_batch) if choice.proposer is not None else {}
-    return SpeculativeDecoder(loaded.model, loaded.tokenizer, choice.proposer, k=k, max_batch=max_batch, **options)
+    return new_decoder(loaded, choice.proposer, k, options, max_batch)
+
+
+def new_decoder(target: LoadedModel, proposer: Proposer | None, k: int = DEFAULT_K, options: dict | None = None,
+                max_batch: int = 1, **kwargs) -> SpeculativeDecoder:
+    """A decoder over a fresh runner of ``target`` (its backend's), with :func:`engine_options`'s
+    ``options`` (none: no cost curve, fixed k)."""
+    options = options or {}
+    runner = target.runner(max_batch, options.get("cost_curve"), options.get("pad", False))
+    return SpeculativeDecoder(runner, target.tokenizer, proposer, k=k, max_batch=max_batch, adaptive_k=options.get("adaptive_k"),
+                              eos_token_ids=eos_token_ids(target.model, target.tokenizer), **kwargs)
 
 
 def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool = False, kernels: bool = True,
@@ -155,6 +170,15 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": _cpu_name(),
            "kernels": "choose" if kernels else small_batch.enabled(model), "kernel_width": kernel_width, "max_width": max_width,
            "batches": list(batches), "contexts": list(CONTEXTS)}
+    llama = target.backend == "llama.cpp"
+    if llama:  # the GGUF file's weights and llama.cpp's kernels decide the curve; torch's kernels do not run
+        import llama_cpp
+
+        from onlinespec.decoding.runners.llamacpp import cpu_threads
+
+        kernels = False
+        key.update(backend="llama.cpp", gguf=[target.gguf.name, target.gguf.stat().st_size], llama_cpp=llama_cpp.__version__,
+                   threads=cpu_threads(), dtype="gguf", kernels=False)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
     if os.environ.get(RECALIBRATE) != "1" and path.exists():
@@ -168,7 +192,7 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
             log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
     chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
-    curve = measure_cost_curve(model, max_width=max_width, batches=batches)
+    curve = measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"key": key, "kernels": chosen, "curve": curve.to_dict(),

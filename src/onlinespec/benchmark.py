@@ -13,25 +13,24 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, DraftChoice, engine_options, make_proposer
+from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, DraftChoice, engine_options, make_proposer, new_decoder
 from onlinespec.decoding import kernels
 from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query
-from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.speculative import Generation, SpeculativeDecoder
+from onlinespec.decoding.speculative import Generation
 from onlinespec.metrics import median_ratio, percentile
-from onlinespec.models import LoadedModel, load_model
+from onlinespec.models import LoadedModel, load_target
 
 METHODS = ("target_alone", "speculative", "hf_assisted")
 # Greedy outputs may differ only where the target's top two logits are this close: verifying
 # k + 1 tokens in one pass and one token per pass round differently in the last bits.
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.15}
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.15, "gguf": 0.25}  # gguf: llama.cpp's quantised kernels
 
 
 @dataclass
@@ -40,6 +39,8 @@ class BenchConfig:
     draft: str = DEFAULT_DRAFT
     k: int = DEFAULT_K
     dtype: str = "float32"
+    backend: str = "auto"  # what runs the target (onlinespec.backends): llama.cpp for a GGUF file on a CPU
+    device: str = "auto"
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -74,18 +75,14 @@ def run_bench(
     ``target``: the already loaded ``config.target``, to share one model across runs."""
     if not queries:
         raise ValueError("no prompts to benchmark")
-    target = target or load_model(config.target, config.dtype)
+    target = target or load_target(config.target, config.dtype, config.backend, config.device)
+    config = resolved(config, target)
     choice = make_proposer(config.draft, target, config.dtype)
     if choice.proposer is None:
         raise ValueError("benchmark needs a draft: 'none' leaves nothing to compare")
-    decoders = {
-        "target_alone": autoregressive_decoder(target.model, target.tokenizer),
-        "speculative": SpeculativeDecoder(
-            target.model, target.tokenizer, choice.proposer, k=config.k,
-            **engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k, kernels=config.small_batch_kernels),
-        ),
-    }
-    hf = HFAssisted(target, choice, config.k) if config.hf_assisted else None
+    options = engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k, kernels=config.small_batch_kernels)
+    decoders = {"target_alone": new_decoder(target, None, 0), "speculative": new_decoder(target, choice.proposer, config.k, options)}
+    hf = HFAssisted(target, choice, config.k) if config.hf_assisted and target.backend == "torch" else None
     methods = [m for m in METHODS if m != "hf_assisted" or hf]
     _warm_up(decoders, hf, queries[0])
 
@@ -99,13 +96,23 @@ def run_bench(
                 outputs[method] = hf.generate(decoders["target_alone"].encode(prompt), params)
             else:
                 outputs[method] = decoders[method].generate(prompt, params)
-        result = _prompt_result(query, outputs, params, target, config.dtype)
+        result = _prompt_result(query, outputs, params, target)
         for method in ("target_alone", "speculative"):
             runs[method].append(outputs[method].stats)
         results.append(result)
         if on_prompt:
             on_prompt(i, result)
     return summarize(results, runs, config, kernels.enabled(target.model))
+
+
+def resolved(config: BenchConfig, target: LoadedModel) -> BenchConfig:
+    """``config`` with the backend and device that run ``target`` (what the report names)."""
+    return replace(config, backend=target.backend, device=str(target.device.type))
+
+
+def near_tie(config: BenchConfig) -> float:
+    """The largest top-2 logit gap at which a greedy divergence counts as a near-tie."""
+    return NEAR_TIE["gguf"] if config.backend == "llama.cpp" else NEAR_TIE.get(config.dtype, NEAR_TIE["float32"])
 
 
 def _params(config: BenchConfig, query: Query, seed: int) -> SamplingParams:
@@ -127,7 +134,7 @@ def _warm_up(decoders: dict, hf: HFAssisted | None, query: Query) -> None:
         hf.generate(decoders["target_alone"].encode(prompt), params)
 
 
-def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: LoadedModel, dtype: str) -> PromptResult:
+def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: LoadedModel) -> PromptResult:
     ar, spec = outputs["target_alone"], outputs["speculative"]
     result = PromptResult(query.id, query.domain, len(ar.prompt_ids))
     for method, out in outputs.items():
@@ -146,10 +153,13 @@ def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: 
 
 @torch.inference_mode()
 def divergence_gap(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> float:
-    """The gap between the target's two best logits where greedy outputs ``a`` and ``b`` first differ."""
+    """The gap between the target's two best logits where greedy outputs ``a`` and ``b`` first
+    differ, as its own backend computes them (one forward alone)."""
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    logits = target.model(input_ids=torch.tensor([prompt_ids + a[:at]]), logits_to_keep=1).logits[0, -1]
-    top = logits.float().topk(2).values
+    runner, row = target.runner(1), object()
+    logits, _ = runner.forward_alone(row, prompt_ids + a[:at], 1)
+    runner.release([row])
+    top = logits[-1].topk(2).values
     return float(top[0] - top[1])
 
 
@@ -237,7 +247,7 @@ def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchCo
         out["speculative"]["greedy_identical"] = sum(bool(r.greedy_identical) for r in results)
         gaps = [r.divergence_logit_gap for r in results if r.divergence_logit_gap is not None]
         out["speculative"]["divergences_max_logit_gap"] = max(gaps) if gaps else None
-        out["speculative"]["divergences_all_near_ties"] = all(g <= NEAR_TIE[config.dtype] for g in gaps)
+        out["speculative"]["divergences_all_near_ties"] = all(g <= near_tie(config) for g in gaps)
     out["speedup_vs_target"] = out["speculative"]["tokens_per_s"] / out["target_alone"]["tokens_per_s"]
     out["median_speedup_vs_target"] = _median_ratio(results, "speculative", "target_alone")
     if "hf_assisted" in out:
@@ -321,13 +331,14 @@ def run_concurrency_bench(
     measured one (:func:`predicted_speedup`)."""
     if not queries or not levels or min(levels) < 1:
         raise ValueError("need queries and concurrency levels >= 1")
-    target = target or load_model(config.target, config.dtype)
+    target = target or load_target(config.target, config.dtype, config.backend, config.device)
+    config = resolved(config, target)
     choice = make_proposer(config.draft, target, config.dtype)
     options = engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k,
                              kernels=config.small_batch_kernels, max_batch=max(levels))
     decoders = {
-        "target_alone": SpeculativeDecoder(target.model, target.tokenizer, None, cost_curve=options.get("cost_curve"), pad=config.pad_verify),
-        "speculative": SpeculativeDecoder(target.model, target.tokenizer, choice.proposer, k=config.k, **options),
+        "target_alone": new_decoder(target, None, 0, {"cost_curve": options.get("cost_curve"), "pad": config.pad_verify}, max(levels)),
+        "speculative": new_decoder(target, choice.proposer, config.k, options, max(levels)),
     }
     _warm_up(decoders, None, queries[0])
     prompts = [list(q.messages) if q.messages else q.prompt for q in queries]
@@ -351,7 +362,7 @@ def run_concurrency_bench(
         reference = reference or outputs["target_alone"]  # the target alone at the first level
         if config.temperature == 0:
             for method in order:
-                figures[method].update(_identity(target, outputs[method], reference, queries, decoders["target_alone"], config.dtype))
+                figures[method].update(_identity(target, outputs[method], reference, queries, decoders["target_alone"], near_tie(config)))
         spec, alone = figures["speculative"], figures["target_alone"]
         figures["speedup_vs_target"] = spec["tokens_per_s"] / alone["tokens_per_s"]
         curve = options.get("cost_curve")
@@ -395,12 +406,12 @@ def _level_figures(outs: list[Generation], steps: list, wall: float) -> dict:
     }
 
 
-def _identity(target: LoadedModel, outs: list[list[int]], reference: list[list[int]], queries, alone, dtype: str) -> dict:
+def _identity(target: LoadedModel, outs: list[list[int]], reference: list[list[int]], queries, alone, tie: float) -> dict:
     identical = sum(a == b for a, b in zip(outs, reference))
     gaps = [divergence_gap(target, alone.encode(list(q.messages) if q.messages else q.prompt), ref, out)
             for out, ref, q in zip(outs, reference, queries) if out != ref]
     return {"greedy_identical": identical, "divergences_max_logit_gap": max(gaps) if gaps else None,
-            "divergences_all_near_ties": all(g <= NEAR_TIE[dtype] for g in gaps)}
+            "divergences_all_near_ties": all(g <= tie for g in gaps)}
 
 
 def predicted_speedup(curve, spec: dict, alone: dict, pad: bool = True) -> float:

@@ -37,7 +37,9 @@ out = Console(width=None if sys.stdout.isatty() else 160)  # results
 DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]', 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
 TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
 KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
-DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16")]
+DtypeOpt = Annotated[str, typer.Option(help="torch backend: float32, bfloat16 or auto (bfloat16 on CUDA, else float32)")]
+BackendOpt = Annotated[str, typer.Option(help="what runs the target: auto (llama.cpp for a .gguf file or 'default' on a CPU, else torch), llama.cpp or torch")]
+DeviceOpt = Annotated[str, typer.Option(help="torch backend: auto (cuda when torch sees one), cpu or cuda")]
 
 
 @app.command()
@@ -47,7 +49,9 @@ def generate(
     target: TargetOpt = "default",
     draft: DraftOpt = DEFAULT_DRAFT,
     k: KOpt = DEFAULT_K,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = "auto",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
@@ -61,7 +65,7 @@ def generate(
 
     params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
     with console.status("loading models"):
-        decoder = _user_errors(lambda: load_decoder(target, draft, k, dtype))
+        decoder = _user_errors(lambda: load_decoder(target, draft, k, dtype, backend=backend, device=device))
     request = [{"role": "user", "content": prompt}] if chat else prompt
 
     def stream_out():
@@ -86,6 +90,8 @@ def bench(
     draft: DraftOpt = BenchConfig.draft,
     k: KOpt = BenchConfig.k,
     dtype: DtypeOpt = BenchConfig.dtype,
+    backend: BackendOpt = BenchConfig.backend,
+    device: DeviceOpt = BenchConfig.device,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="for prompts that do not set it")] = BenchConfig.max_new_tokens,
     temperature: Annotated[float, typer.Option(min=0.0)] = BenchConfig.temperature,
     top_p: float = BenchConfig.top_p,
@@ -104,7 +110,8 @@ def bench(
 
     levels = _user_errors(lambda: _levels(concurrency)) if concurrency else None
     queries = _user_errors(lambda: read_queries_jsonl(prompts))
-    config = BenchConfig(target, draft, k, dtype, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify, adaptive_k, kernels)
+    config = BenchConfig(target, draft, k, dtype, backend, device, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify,
+                         adaptive_k, kernels)
     summary = _run_concurrency_bench(queries, config, levels) if levels else _run_bench(queries, config)
     summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -203,6 +210,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "draft": (DraftOpt, CoreConfig.draft),
     "k": (KOpt, CoreConfig.k),
     "dtype": (DtypeOpt, CoreConfig.dtype),
+    "backend": (BackendOpt, CoreConfig.backend),
+    "device": (DeviceOpt, CoreConfig.device),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
     "head_updates": (Annotated[bool, typer.Option("--head-updates/--no-head-updates", help="learning trains the learned draft too, or only the suffix index")], CoreConfig.head_updates),
     "update_interval": (Annotated[int, typer.Option(min=1, help="I: update a draft every I units")], LearnerConfig.update_interval),
@@ -248,7 +257,7 @@ def _core_config(o: dict) -> CoreConfig:
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
-    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],

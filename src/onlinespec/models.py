@@ -44,18 +44,42 @@ def cache_dir() -> Path:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":  # a model loaded without a device in mind: the CPU's choice
+        return torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)} or auto")
     return DTYPES[dtype]
 
 
 @dataclass
 class LoadedModel:
-    """A causal LM ready for decoding, with the tokenizer it was trained with."""
+    """A causal LM ready for decoding, with the tokenizer it was trained with.
+
+    ``backend``: what runs a target's forwards (:mod:`onlinespec.backends`); with ``llama.cpp``,
+    ``llama`` holds the GGUF file as llama.cpp loaded it and ``model`` serves the tokenizer's side:
+    config, generation config, and the embeddings a feature head borrows."""
 
     model: PreTrainedModel
     tokenizer: object  # a transformers tokenizer
     name: str
+    backend: str = "torch"
+    gguf: Path | None = None  # the GGUF file the model came from, if any
+    llama: object = None  # a LlamaCppModel when backend == "llama.cpp"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def runner(self, max_rows: int = 8, cost_curve=None, pad: bool = True, context: int | None = None):
+        """A fresh runner of this target for an engine of up to ``max_rows`` requests
+        (:mod:`onlinespec.decoding.runners`); ``cost_curve`` and ``pad``: the torch backend's padding."""
+        if self.backend == "llama.cpp":
+            from onlinespec.decoding.runners.llamacpp import LlamaCppRunner
+
+            return LlamaCppRunner(self.llama, max_rows=max_rows, context=context)
+        from onlinespec.decoding.runners.torch_runner import TorchRunner
+
+        return TorchRunner(self.model, cost_curve, pad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,8 +148,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a target to serve, on the backend and device asked for (``auto``: llama.cpp for a GGUF
+    file on the CPU, else torch; :mod:`onlinespec.backends`)."""
+    from onlinespec.backends import resolve_backend, resolve_device, resolve_dtype_name
+
+    device = resolve_device(device)
+    gguf = default_gguf_path() if spec == DEFAULT_TARGET else Path(spec).expanduser()
+    gguf = gguf if gguf.suffix == ".gguf" else None
+    backend = resolve_backend(backend, gguf is not None, device)
+    loaded = load_model(spec, resolve_dtype_name(dtype, device))
+    loaded.backend, loaded.gguf = backend, gguf
+    if device != "cpu":
+        loaded.model.to(device)
+    if backend == "llama.cpp":
+        from onlinespec.decoding.runners.llamacpp import LlamaCppModel
+
+        loaded.llama = LlamaCppModel.load(gguf)
+    return loaded
+
+
 def load_model(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load a target or a stand-alone draft from a spec (see the module docstring)."""
+    """Load a target (run by torch) or a stand-alone draft from a spec (see the module docstring)."""
     torch_dtype = resolve_dtype(dtype)
     if spec == DEFAULT_TARGET:
         path, gguf_file, name = default_target_dir(), None, DEFAULT_TARGET_NAME

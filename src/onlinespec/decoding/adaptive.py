@@ -52,6 +52,12 @@ class AdaptiveK:
     decay: float = 0.998  # per judged proposal: the estimate follows about the last 500
     padded: bool = True  # blocks are padded to the cheapest wider width (CostCurve.padded)
     rates: dict[tuple[str, int], _Rate] = field(default_factory=dict)
+    # After this many steps in a row that drafted nothing, one step drafts and verifies in full:
+    # estimates stop changing while nothing is verified, so without it a draft judged not to pay
+    # (a cold one, or on a target whose verify cost is steep) would never be measured again,
+    # even once it has learned. It costs at most one wider forward in this many steps.
+    explore_every: int = 32
+    _idle: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.verify_costs, CostCurve):
@@ -82,6 +88,14 @@ class AdaptiveK:
         """How many of ``proposal``'s tokens to verify (0 .. len), for one request alone."""
         row = PlanRow(proposal, self, use_confidence, uncached=uncached)
         return plan_step([row])[1][0]
+
+    def idle_step(self) -> bool:
+        """A step is about to draft nothing: True when it should explore instead (see ``explore_every``)."""
+        self._idle += 1
+        if self._idle < self.explore_every:
+            return False
+        self._idle = 0
+        return True
 
     def update(self, proposal: Proposal, n_accepted: int, use_confidence: bool) -> None:
         """Record what verification judged: proposals up to and including the first rejection."""

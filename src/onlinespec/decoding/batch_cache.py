@@ -83,8 +83,8 @@ class BatchKVCache:
     (the request's next position). ``cache`` is what the model's forward takes.
     """
 
-    def __init__(self, config) -> None:
-        self.config = config
+    def __init__(self, config, device: torch.device | str | None = None) -> None:
+        self.config, self.device = config, torch.device(device or "cpu")
         self.cache = DynamicCache(config=config)
         self.cache.layers = [_SlotLayer() for _ in self.cache.layers]
         self.rows: list[object] = []
@@ -111,7 +111,7 @@ class BatchKVCache:
         allowed = torch.cat([self.valid.unsqueeze(1).expand(batch, width, self.width), causal.expand(batch, width, width)], -1)
         dtype = next(iter(self._dtypes()), torch.float32)
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        return input_ids, positions, mask.unsqueeze(1)
+        return input_ids.to(self.device), positions.to(self.device), mask.unsqueeze(1).to(self.device)
 
     def commit(self, width: int, kept: list[int]) -> None:
         """After a forward over blocks of ``width``: row ``b`` keeps its first ``kept[b]`` new
@@ -134,7 +134,7 @@ class BatchKVCache:
     @classmethod
     def filled(cls, config, cache: DynamicCache, rows: list[object]) -> "BatchKVCache":
         """A batch cache holding ``cache``'s rows as they are (every column real)."""
-        batch = cls(config)
+        batch = cls(config, cache.layers[0].keys.device)
         length = cache.get_seq_length()
         for layer, source in zip(batch.cache.layers, cache.layers):
             layer.set(source.keys, source.values, capacity=2 * length)
@@ -170,19 +170,20 @@ class BatchKVCache:
         self.rows = [self.rows[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
         if not keep:
-            self.__init__(self.config)
+            self.__init__(self.config, self.device)
             return
-        index = torch.tensor(keep)
-        self.valid = self.valid[index]
+        index = torch.tensor(keep, device=self.device)
+        self.valid = self.valid[index.cpu()]
         self._rebuild([index] * len(self.cache.layers))
 
     def compact(self) -> None:
         """Move every row's real columns to the right end, in order; drop columns no row uses."""
         total = max(self.lengths)
         order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, -total:]  # holes first, then real
+        on_device = order.to(self.device)
         gathers = []
         for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            index = on_device[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             gathers.append(index)
         for layer, index in zip(self.cache.layers, gathers):
             layer.set(layer.keys.gather(2, index), layer.values.gather(2, index), layer.k_buffer.shape[-2])

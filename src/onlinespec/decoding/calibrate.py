@@ -23,32 +23,35 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
-from onlinespec.decoding.batch_cache import BatchKVCache, forward
+from onlinespec.decoding.runners.torch_runner import TorchRunner
 
 CONTEXTS = (64, 512)
 
 
 @torch.inference_mode()
-def forward_costs(model: PreTrainedModel, max_width: int = 8, context: int = 64, reps: int = 5, batch: int = 1) -> list[float]:
-    """Median seconds of one verify forward, as the engine runs it (its batch cache, the output
-    head on every block token), over ``batch`` rows of 1..max_width new tokens after ``context``."""
+def forward_costs(target, max_width: int = 8, context: int = 64, reps: int = 5, batch: int = 1) -> list[float]:
+    """Median seconds of one verify forward of ``target`` (a runner, :mod:`onlinespec.decoding.runners`,
+    or a Hugging Face model), as the engine runs it, over ``batch`` rows of 1..max_width new tokens
+    after ``context`` tokens."""
+    runner = as_runner(target)
+    vocab = runner.vocab_size
     generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prefill = DynamicCache(config=model.config)
-    model(input_ids=torch.randint(0, vocab, (batch, context), generator=generator), cache=prefill, logits_to_keep=1)
-    cache = BatchKVCache.filled(model.config, prefill, list(range(batch)))
+    rows = [object() for _ in range(batch)]
+    for row in rows:
+        runner.forward_alone(row, torch.randint(0, vocab, (context,), generator=generator).tolist(), 1)
+        runner.join(row, context)
     costs = []
     for width in range(1, max_width + 1):
         times = []
         for _ in range(reps + 1):  # the first is a warm-up
             blocks = torch.randint(0, vocab, (batch, width), generator=generator).tolist()
             start = time.perf_counter()
-            forward(model, cache, blocks, width)
+            runner.forward(blocks)
             times.append(time.perf_counter() - start)
-            cache.rewind(width)
+            runner.rewind()
         costs.append(statistics.median(times[1:]))
+    runner.release(rows)
     return costs
 
 
@@ -117,18 +120,27 @@ class CostCurve:
 
 
 def measure_cost_curve(
-    model: PreTrainedModel,
+    target,
     max_width: int = 8,
     batches: tuple[int, ...] = (1,),
     contexts: tuple[int, ...] = CONTEXTS,
     reps: int = 3,
 ) -> CostCurve:
-    """Time the target's forward over every (batch, context) pair and block widths 1..max_width."""
+    """Time the target's forward over every (batch, context) pair and block widths 1..max_width.
+    ``target``: a runner (:mod:`onlinespec.decoding.runners`, left empty), or a Hugging Face
+    model (timed on a :class:`~onlinespec.decoding.runners.torch_runner.TorchRunner`)."""
+    runner = as_runner(target)
     seconds = {}
     for batch in sorted(set(batches)):
         for context in contexts:
-            seconds[(batch, context)] = forward_costs(model, max_width, context, reps, batch)
+            seconds[(batch, context)] = forward_costs(runner, max_width, context, reps, batch)
+    runner.reset()
     return CostCurve(seconds)
+
+
+def as_runner(target):
+    """``target`` as a runner: a Hugging Face model gets a :class:`TorchRunner` (no padding)."""
+    return TorchRunner(target, pad=False) if isinstance(target, torch.nn.Module) else target
 
 
 def batch_sizes(max_batch: int) -> tuple[int, ...]:

@@ -27,15 +27,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
-from onlinespec.decoding.batch_cache import BatchKVCache
-from onlinespec.decoding.batch_cache import forward as batch_forward
 from onlinespec.decoding.calibrate import CostCurve
-from onlinespec.decoding.kvcache import truncate_cache
 from onlinespec.decoding.proposers.base import DraftInput, Proposal
 from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
+from onlinespec.decoding.runners import TargetRunner
+from onlinespec.decoding.runners.torch_runner import TorchRunner
 from onlinespec.decoding.sampling import logits_to_probs
 from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
 
@@ -47,7 +46,7 @@ class StepReport:
     """What one step ran: for the scheduler's metrics and the cost model's checks."""
 
     batch: int  # requests verified in the batched forward
-    width: int  # its block width (after padding)
+    width: int  # its block width (before any padding the runner adds)
     context: int  # cache columns it attended over (holes included)
     proposed: int
     accepted: int
@@ -60,11 +59,11 @@ class StepReport:
 
 
 class SpeculativeEngine:
-    """Lossless speculative decoding of ``target`` over a batch of requests."""
+    """Lossless speculative decoding of a target over a batch of requests."""
 
     def __init__(
         self,
-        target: PreTrainedModel,
+        target: PreTrainedModel | TargetRunner,
         eos_token_ids: frozenset[int],
         k: int = 4,
         trace_top_k: int = 32,
@@ -72,22 +71,23 @@ class SpeculativeEngine:
         pad: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
-        """``cost_curve``: the target's measured forward cost (pads blocks to faster widths when
-        ``pad``; adaptive k takes it from each request's draft statistics)."""
+        """``target``: the runner that runs it (:mod:`onlinespec.decoding.runners`), or a Hugging
+        Face model, run by a :class:`TorchRunner` with ``cost_curve`` and ``pad`` (blocks padded
+        to faster widths)."""
         if k < 0:
             raise ValueError(f"k (proposal length) must be >= 0, got {k}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
-        self.target, self.eos_token_ids, self.k = target, eos_token_ids, k
-        self.trace_top_k, self.cost_curve, self.pad = trace_top_k, cost_curve, pad
+        self.runner: TargetRunner = TorchRunner(target, cost_curve, pad) if isinstance(target, torch.nn.Module) else target
+        self.eos_token_ids, self.k, self.trace_top_k = eos_token_ids, k, trace_top_k
         self.prefill_chunk = prefill_chunk
-        self.batch = BatchKVCache(target.config)
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
+        self._exploring = False  # this step verifies every proposal (AdaptiveK.idle_step)
 
     @property
     def context(self) -> int:
         """The target's context window in tokens."""
-        return int(getattr(self.target.config, "max_position_embeddings", 0) or 2048)
+        return self.runner.context
 
     def room(self, prompt_tokens: int) -> int:
         """The most new tokens a request with this prompt may ask for: a verification block
@@ -105,7 +105,7 @@ class SpeculativeEngine:
 
     def reset(self) -> None:
         """Drop every request's cache rows (after a step that failed half-way)."""
-        self.batch = BatchKVCache(self.target.config)
+        self.runner.reset()
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -113,11 +113,13 @@ class SpeculativeEngine:
     def step(self, active: list[RequestState]) -> StepReport:
         """Advance every unfinished request of ``active`` by one round (or one prefill chunk)."""
         start = time.perf_counter()
-        self.batch.remove([r for r in self.batch.rows if r not in active or r.finished])
+        runner = self.runner
+        keep = {id(r) for r in active if not r.finished}
+        runner.release([r for r in runner.holding() if id(r) not in keep])
         for proposer in {id(r.proposer): r.proposer for r in active if r.proposer is not None}.values():
             if hasattr(proposer, "take_swap"):
                 proposer.take_swap()
-        decoding: list[RequestState] = list(self.batch.rows)
+        decoding: list[RequestState] = list(runner.rows)
         running = {id(r) for r in decoding}
         waiting = [r for r in active if not r.finished and id(r) not in running]
         joining, prefill_seconds, prefill_tokens = self._prefill(waiting, bool(decoding))
@@ -130,16 +132,17 @@ class SpeculativeEngine:
         draft_seconds = time.perf_counter() - tick
 
         # the batched forward over the running requests
-        width, context, target_seconds, proposed, accepted = 0, self.batch.width, 0.0, 0, 0
+        width, context, target_seconds, proposed, accepted = 0, runner.columns, 0.0, 0, 0
         emitted = 0
         if decoding:
             plan_rows = [self._plan_row(r, p, 1) for r, p in zip(decoding, proposals[len(joining):])]
             width, counts = plan_step(plan_rows, context)
             blocks_props = [trim(p, n) for p, n in zip(proposals[len(joining):], counts)]
             blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, blocks_props)]
-            run_width = self.cost_curve.padded(len(blocks), width, context) if self.pad and self.cost_curve else width
             tick = time.perf_counter()
-            logits, hidden = self._forward_batch(decoding, blocks, run_width)
+            logits, hidden = runner.forward(blocks)
+            if not any(getattr(r.proposer, "uses_features", False) for r in decoding):
+                hidden = None
             target_seconds = time.perf_counter() - tick
             kept = []
             for b, (r, proposal) in enumerate(zip(decoding, blocks_props)):
@@ -147,26 +150,29 @@ class SpeculativeEngine:
                 n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
                 kept.append(1 + n_accepted)
                 proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
-            self.batch.commit(run_width, kept)
+            runner.commit(kept)
 
         # requests whose last prompt chunk runs now: prefill + first verification in one forward of their own
         for r, proposal in zip(joining, proposals[: len(joining)]):
             rest = r.prompt_ids[r.prefilled:]
             proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
             tick = time.perf_counter()
-            logits, hidden = self._forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+            logits, hidden = runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+            if hidden is not None:
+                r.add_prompt_states(hidden[:1])  # the prompt's last position
+                hidden = hidden if getattr(r.proposer, "uses_features", False) else None
             seconds = time.perf_counter() - tick
             prefill_seconds += seconds
             prefill_tokens += len(rest)
             r.prefilled = len(r.prompt_ids)
             n_accepted = self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), draft_seconds, seconds, 1))
             proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
-            truncate_cache(r.prefill_cache, len(r.prompt_ids) + n_accepted)
-            if not r.finished:
-                self.batch.add(r, r.prefill_cache)
-            r.prefill_cache = None
+            if r.finished:
+                runner.release([r])
+            else:
+                runner.join(r, len(r.prompt_ids) + n_accepted)
 
-        self.batch.remove([r for r in self.batch.rows if r.finished])
+        runner.release([r for r in runner.rows if r.finished])
         return StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
                           draft_seconds, target_seconds, prefill_seconds, time.perf_counter() - start)
 
@@ -178,8 +184,6 @@ class SpeculativeEngine:
         budget = self.prefill_chunk if others_decoding else None  # nobody waits on an empty batch
         joining, seconds, tokens = [], 0.0, 0
         for r in waiting:
-            if r.prefill_cache is None:
-                r.prefill_cache = DynamicCache(config=self.target.config)
             rest = len(r.prompt_ids) - r.prefilled
             if budget is None or rest <= budget:
                 joining.append(r)
@@ -188,7 +192,7 @@ class SpeculativeEngine:
             if budget > 0:  # a chunk that does not reach the end of the prompt: no logits needed
                 chunk = r.prompt_ids[r.prefilled: r.prefilled + budget]
                 tick = time.perf_counter()
-                self.target.get_decoder()(input_ids=torch.tensor([chunk]), cache=r.prefill_cache)
+                self.runner.prefill(r, chunk)
                 seconds += time.perf_counter() - tick
                 r.prefilled += len(chunk)
                 tokens += len(chunk)
@@ -200,8 +204,12 @@ class SpeculativeEngine:
         then the running ones, whose proposal length the batch's budget caps)."""
         proposals = [Proposal() for _ in rows]
         decoding = rows[n_joining:]
-        budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.batch.width,
+        budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.runner.columns,
                                  self._draft_cost(decoding)) if decoding else self.k
+        planner = next((r.adaptive for r in decoding if r.adaptive is not None and not r.fixed_k), None)
+        self._exploring = budget == 0 and planner is not None and planner.idle_step()
+        if self._exploring:  # measure the drafts again: this step verifies every proposal
+            budget = self.k
         groups: dict[int, list[int]] = {}
         asks: list[int] = []
         for i, r in enumerate(rows):
@@ -228,25 +236,7 @@ class SpeculativeEngine:
         return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})
 
     def _plan_row(self, r: RequestState, proposal: Proposal, uncached: int) -> PlanRow:
-        return PlanRow(proposal, r.adaptive, use_confidence=r.params.greedy, fixed=r.fixed_k, uncached=uncached)
-
-    def _forward_batch(self, rows: list[RequestState], blocks: list[list[int]], width: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """One forward over every running request's block: per request, its logits rows (and its
-        post-norm hidden states when its proposer reads features)."""
-        logits, hidden = batch_forward(self.target, self.batch, blocks, width)
-        sizes = [len(block) for block in blocks]
-        features = hidden is not None and any(getattr(r.proposer, "uses_features", False) for r in rows)
-        return list(_rows(logits).split(sizes)), list(hidden.split(sizes)) if features else None
-
-    def _forward_alone(self, r: RequestState, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids = torch.tensor([block])
-        if not hasattr(self.target, "get_decoder"):
-            return _rows(self.target(input_ids=input_ids, cache=r.prefill_cache, logits_to_keep=keep).logits[0]), None
-        states = self.target.get_decoder()(input_ids=input_ids, cache=r.prefill_cache).last_hidden_state[0]
-        r.add_prompt_states(states[: len(block) - keep + 1])  # the prompt's rows (the rest are proposals)
-        hidden = states[-keep:]
-        logits = _rows(self.target.get_output_embeddings()(hidden))
-        return logits, hidden if getattr(r.proposer, "uses_features", False) else None
+        return PlanRow(proposal, r.adaptive, use_confidence=r.params.greedy, fixed=r.fixed_k or self._exploring, uncached=uncached)
 
     def _finish_round(self, r: RequestState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, timing: RoundTiming) -> int:
         """Verify one request's block, record what it saw, emit its tokens; return the accepted count."""
@@ -280,12 +270,6 @@ class SpeculativeEngine:
             draft_probs = proposal.probs[torch.arange(len(proposal)), torch.tensor(proposal.tokens, dtype=torch.long)].tolist()
         kept = hidden[: len(proposal) + 1].to(torch.float16) if hidden is not None else None
         return RoundTrace(position, list(proposal.tokens), draft_probs, top.indices, values, verdict.n_accepted, verdict.next_token, kept)
-
-
-def _rows(logits: torch.Tensor) -> torch.Tensor:
-    """Logits with contiguous rows: the small-batch kernels return them transposed, and every
-    row-wise op after this (verification, the trace's top-K) runs 3-5x faster on rows."""
-    return logits if logits.is_contiguous() else torch.stack(tuple(logits))
 
 
 def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdict:

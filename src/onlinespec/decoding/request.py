@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
@@ -183,7 +182,6 @@ class RequestState:
     generator: torch.Generator | None = None
     draft_state: Any = None  # the proposer's state for this request (Proposer.start)
     prefilled: int = 0  # prompt tokens already in the target cache (chunked prefill)
-    prefill_cache: DynamicCache | None = None  # the request's own cache until it joins the batch
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
     embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)

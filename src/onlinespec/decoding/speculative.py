@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from transformers import PreTrainedModel
 
+from onlinespec.decoding.runners import TargetRunner
+
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.calibrate import CostCurve
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
@@ -22,7 +24,8 @@ from onlinespec.decoding.request import Generation, RequestState, RequestStats, 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.stopping import StopChecker
-from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids
+from onlinespec.tokens import Prompt, encode_prompt
+from onlinespec.tokens import eos_token_ids as _eos
 
 __all__ = ["Generation", "RequestStats", "RoundTiming", "RoundTrace", "SpeculativeDecoder", "StreamChunk", "encode_prompt"]
 
@@ -40,7 +43,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: PreTrainedModel,
+        target: PreTrainedModel | TargetRunner,
         tokenizer=None,
         proposer: Proposer | None = None,
         k: int = 4,
@@ -50,16 +53,18 @@ class SpeculativeDecoder:
         pad: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_batch: int = DEFAULT_MAX_BATCH,
+        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
         """``adaptive_k``: the draft's acceptance statistics and the target's cost curve; each
         step then verifies only as many proposals as pay at its batch size
         (:mod:`onlinespec.decoding.adaptive`); default: all of them. ``cost_curve`` (default:
         the one in ``adaptive_k``) with ``pad`` runs blocks at the fastest wider width
-        (:mod:`onlinespec.decoding.calibrate`)."""
+        (:mod:`onlinespec.decoding.calibrate`). ``target``: a Hugging Face model (run by torch) or a
+        runner (:mod:`onlinespec.decoding.runners`: its own padding; then give ``eos_token_ids``)."""
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.adaptive_k = adaptive_k
         self.max_batch = max_batch
-        self.eos_token_ids = eos_token_ids(target, tokenizer)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos(target, tokenizer)
         curve = cost_curve or (adaptive_k.curve if adaptive_k is not None else None)
         self.engine = SpeculativeEngine(target, self.eos_token_ids, k if proposer is not None else 0, trace_top_k,
                                         curve, pad, prefill_chunk)

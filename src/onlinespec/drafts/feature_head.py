@@ -126,7 +126,7 @@ class FeatureHead(nn.Module):
         the untrained head proposes what the target would after the previous token."""
         hidden = target.config.hidden_size
         config = FeatureHeadConfig(hidden_size=hidden, vocab_size=target.config.vocab_size, **overrides)
-        head = cls(config, target.get_input_embeddings().weight.float(), vocab_ids, target.get_output_embeddings().weight.float())
+        head = cls(config, target.get_input_embeddings().weight.float().cpu(), vocab_ids, target.get_output_embeddings().weight.float().cpu())
         with torch.no_grad():
             head.fuse.weight.zero_()
             head.fuse.weight[:, :hidden] = torch.eye(hidden)
@@ -161,7 +161,7 @@ class FeatureHead(nn.Module):
                 f"this target has {target.config.vocab_size}"
             )
         weights = load_file(str(path / WEIGHTS_FILE))
-        head = cls(config, target.get_input_embeddings().weight.float(), weights["vocab_ids"], target.get_output_embeddings().weight.float())
+        head = cls(config, target.get_input_embeddings().weight.float().cpu(), weights["vocab_ids"], target.get_output_embeddings().weight.float().cpu())
         head.load_state_dict(weights)
         return head.eval()
 

@@ -49,7 +49,7 @@ from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.metrics import speculative_decoding
-from onlinespec.models import LoadedModel, load_model
+from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.content import ContentConfig
 from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
@@ -70,6 +70,8 @@ class CoreConfig:
     draft: str = DEFAULT_DRAFT
     k: int = DEFAULT_K
     dtype: str = DEFAULT_DTYPE
+    backend: str = "auto"  # what runs the target: llama.cpp for a GGUF file on a CPU, else torch (onlinespec.backends)
+    device: str = "auto"  # torch backend: cuda when torch sees one, else cpu
     learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
     head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)
     buffer_policy: str = "window"
@@ -343,7 +345,7 @@ class ServingCore:
         config = self.config
         self.status = "loading"
         if self.target is None:
-            self.target = load_model(config.target, config.dtype)
+            self.target = load_target(config.target, config.dtype, config.backend, config.device)
         model, tokenizer = self.target.model, self.target.tokenizer
         self.tokenizer, self.eos = tokenizer, eos_token_ids(model, tokenizer)
         self.status = "calibrating"
@@ -356,8 +358,8 @@ class ServingCore:
             """A fresh starting draft with acceptance statistics of its own."""
             return make_proposer(config.draft, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
 
-        self.engine = SpeculativeEngine(model, self.eos, config.k if speculative else 0, cost_curve=options.get("cost_curve"),
-                                        pad=options.get("pad", False), prefill_chunk=config.prefill_chunk)
+        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False))
+        self.engine = SpeculativeEngine(runner, self.eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
         self.context = self.engine.context
         self.scheduler = Scheduler(self.engine, config.max_batch)
         learning = config.learning
@@ -376,8 +378,11 @@ class ServingCore:
             self.baselines[STATIC] = self.pool.static
         elif config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
+        curve = options.get("cost_curve")
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
-                    "max_batch": config.max_batch})
+                    "max_batch": config.max_batch, "backend": self.target.backend, "device": str(self.target.device),
+                    "context": self.context,
+                    "cost_curve_ms": {key: [round(1000 * t, 2) for t in v] for key, v in curve.to_dict().items()} if curve else None})
         self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
         self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
         self._recorder_thread.start()

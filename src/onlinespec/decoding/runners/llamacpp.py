@@ -1,0 +1,259 @@
+"""The llama.cpp backend: the target's GGUF file as shipped, run by llama.cpp.
+
+CPU decoding is bound by memory traffic: the packaged Q4_1 target moves about 98 MB of weights a
+step here, where its fp32 copy in PyTorch moves about 540 MB. This runner calls llama.cpp's C API
+through llama-cpp-python's ctypes bindings (``docs/backends.md`` says why that binding):
+
+- one context for the engine, one sequence id per request (``n_seq_max`` = the engine's batch),
+  each sequence with a KV cache of its own (``kv_unified = false``: a request's results never
+  depend on where another's cells sit, and attention never runs over other requests' cells);
+- ``forward`` is ONE ``llama_decode`` over every running request's block, each token with its
+  request's sequence id and position (continuous batching, no padding: llama.cpp needs none);
+- ``commit`` removes each request's rejected positions with ``llama_memory_seq_rm`` (checked: it
+  fails on caches that cannot drop a partial sequence, e.g. recurrent models);
+- the context has embeddings on with no pooling, so one decode returns both the logits and the
+  final post-norm hidden state of every output position: the feature head and the recorder
+  read the same features as on the torch backend.
+
+Prompts longer than ``n_batch`` tokens are decoded in pieces of ``n_batch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_CONTEXT = 4096  # tokens per request unless asked (the KV cache is allocated up front, per request)
+N_BATCH = 512  # tokens per llama_decode call
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused a call (no KV room, a failed decode, a model it cannot load)."""
+
+
+def _bindings():
+    try:
+        import llama_cpp
+    except ImportError as err:  # pragma: no cover - make setup installs it
+        raise LlamaCppError("the llama.cpp backend needs llama-cpp-python: `pip install llama-cpp-python==0.3.36` "
+                            "(or run `make setup`), or serve with --backend torch") from err
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its C log callback prints below ERROR otherwise
+    return llama_cpp
+
+
+def cpu_threads() -> int:
+    """The cores this process may run on (llama.cpp's own default is 4, whatever the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp once: the weights every context of this process shares."""
+
+    path: Path
+    pointer: object
+    n_vocab: int
+    n_embd: int
+    n_ctx_train: int
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "LlamaCppModel":
+        lib = _bindings()
+        path = Path(path)
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        pointer = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not pointer:
+            raise LlamaCppError(f"llama.cpp could not load {path}: is it a GGUF file of a model llama.cpp supports?")
+        vocab = lib.llama_model_get_vocab(pointer)
+        eos = {lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)} - {-1}
+        return cls(path, pointer, lib.llama_vocab_n_tokens(vocab), lib.llama_model_n_embd(pointer),
+                   lib.llama_model_n_ctx_train(pointer), frozenset(eos))
+
+    def __del__(self) -> None:
+        try:
+            _bindings().llama_model_free(self.pointer)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class LlamaCppRunner:
+    """The engine's runner on llama.cpp (the protocol: :mod:`onlinespec.decoding.runners`)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, model: LlamaCppModel, max_rows: int = 8, context: int | None = None,
+                 threads: int | None = None, n_batch: int = N_BATCH) -> None:
+        """``max_rows``: requests held at once (running and prefilling); ``context``: tokens per
+        request (default: the model's training context, at most :data:`DEFAULT_CONTEXT`)."""
+        self._lib = lib = _bindings()
+        self.model, self.max_rows, self.n_batch = model, max_rows, n_batch
+        self._context = min(context or DEFAULT_CONTEXT, model.n_ctx_train or DEFAULT_CONTEXT)
+        self.threads = threads or cpu_threads()
+        params = lib.llama_context_default_params()
+        params.n_ctx = self._context * max_rows
+        params.n_seq_max = max_rows
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_threads = params.n_threads_batch = self.threads
+        params.embeddings = True
+        params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        params.kv_unified = False
+        self._ctx = lib.llama_init_from_model(model.pointer, params)
+        if not self._ctx:
+            raise LlamaCppError(f"llama.cpp could not make a context of {max_rows} x {self._context} tokens for "
+                                f"{model.path.name}: lower --max-batch or the context")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+        self._rows: list[object] = []
+        self._seq: dict[int, int] = {}  # id(request) -> its sequence id
+        self._length: dict[int, int] = {}  # id(request) -> positions in its cache
+        self._held: dict[int, object] = {}  # id(request) -> request
+        self._free = list(range(max_rows - 1, -1, -1))
+        self._last: list[int] = []  # the last forward's block sizes (rewind)
+        self._embeddings = True  # the context's embeddings switch (see _decode)
+
+    def __del__(self) -> None:
+        try:
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ctx)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or a failed __init__
+            pass
+
+    # ---- what the engine reads ----------------------------------------------------------------
+
+    @property
+    def context(self) -> int:
+        return self._context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.n_vocab
+
+    @property
+    def rows(self) -> list[object]:
+        return self._rows
+
+    @property
+    def columns(self) -> int:
+        return max((self._length[id(r)] for r in self._rows), default=0)
+
+    def holding(self) -> list[object]:
+        return list(self._held.values())
+
+    # ---- forwards -----------------------------------------------------------------------------
+
+    def prefill(self, request: object, tokens: list[int]) -> None:
+        self._extend(request, tokens, 0)
+
+    def forward_alone(self, request: object, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._extend(request, block, keep)
+
+    def join(self, request: object, length: int) -> None:
+        self._trim(request, length)
+        self._rows.append(request)
+
+    def forward(self, blocks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if len(blocks) != len(self._rows):
+            raise ValueError(f"one block per row: {len(blocks)} blocks for {len(self._rows)} rows")
+        entries = [(self._seq[id(r)], self._length[id(r)], block) for r, block in zip(self._rows, blocks)]
+        sizes = [len(block) for block in blocks]
+        if sum(sizes) > self.n_batch:
+            raise LlamaCppError(f"a step of {sum(sizes)} tokens exceeds llama.cpp's batch of {self.n_batch}")
+        logits, hidden = self._decode([(seq, pos, block, len(block)) for seq, pos, block in entries])
+        for r, size in zip(self._rows, sizes):
+            self._length[id(r)] += size
+        self._last = sizes
+        return list(logits.split(sizes)), list(hidden.split(sizes))
+
+    def commit(self, kept: list[int]) -> None:
+        for r, size, n in zip(self._rows, self._last, kept):
+            self._trim(r, self._length[id(r)] - size + n)
+
+    def rewind(self) -> None:
+        self.commit([0] * len(self._rows))
+
+    # ---- what requests hold -------------------------------------------------------------------
+
+    def release(self, requests: list[object]) -> None:
+        for request in requests:
+            key = id(request)
+            if key not in self._held:
+                continue
+            self._lib.llama_memory_seq_rm(self._memory, self._seq[key], -1, -1)  # a whole sequence: never fails
+            self._free.append(self._seq.pop(key))
+            del self._length[key], self._held[key]
+        gone = {id(r) for r in requests}
+        self._rows = [r for r in self._rows if id(r) not in gone]
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self._memory, True)
+        self._rows, self._seq, self._length, self._held = [], {}, {}, {}
+        self._free = list(range(self.max_rows - 1, -1, -1))
+
+    # ---- llama.cpp calls ----------------------------------------------------------------------
+
+    def _acquire(self, request: object) -> None:
+        key = id(request)
+        if key in self._held:
+            return
+        if not self._free:
+            raise LlamaCppError(f"all {self.max_rows} llama.cpp sequences are in use: the engine ran more requests than its batch")
+        self._seq[key], self._length[key], self._held[key] = self._free.pop(), 0, request
+
+    def _extend(self, request: object, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Append ``tokens`` to one request's cache, in pieces of at most ``n_batch`` (the last
+        piece holds the outputs); the logits and hidden states of the last ``keep`` (None when 0)."""
+        self._acquire(request)
+        key = id(request)
+        last = len(tokens) - keep  # the tokens before the outputs: no logits, no hidden states
+        pieces = [(tokens[start: min(start + self.n_batch, last)], 0) for start in range(0, last, self.n_batch)]
+        out = None
+        for piece, outputs in pieces + ([(tokens[last:], keep)] if keep else []):
+            out = self._decode([(self._seq[key], self._length[key], piece, outputs)])
+            self._length[key] += len(piece)
+        return out
+
+    def _trim(self, request: object, length: int) -> None:
+        key = id(request)
+        if length < self._length[key]:
+            if not self._lib.llama_memory_seq_rm(self._memory, self._seq[key], length, -1):
+                raise LlamaCppError(f"llama.cpp could not remove rejected tokens from {self.model.path.name}'s cache "
+                                    "(a recurrent or sliding-window model?): serve it with --backend torch")
+            self._length[key] = length
+
+    def _decode(self, entries: list[tuple[int, int, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One ``llama_decode``: per entry (sequence, first position, tokens, how many of its last
+        tokens to output). Returns the outputs' logits ``[n, V]`` and hidden states ``[n, H]``."""
+        batch, i = self._batch, 0
+        for seq, position, tokens, outputs in entries:
+            first_out = len(tokens) - outputs
+            for j, token in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position + j, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, j >= first_out
+                i += 1
+        batch.n_tokens = i
+        n = sum(outputs for *_, outputs in entries)
+        # with embeddings on, llama.cpp outputs every token of the batch: the output head would run
+        # over a whole prompt chunk; a chunk without outputs runs with embeddings off
+        if self._embeddings != bool(n):
+            self._lib.llama_set_embeddings(self._ctx, bool(n))
+            self._embeddings = bool(n)
+        status = self._lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise LlamaCppError(f"llama_decode failed with status {status} on {i} tokens"
+                                + (" (no room left in the KV cache)" if status == 1 else ""))
+        if n == 0:
+            return None
+        logits = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(n, self.model.n_vocab))
+        hidden = np.ctypeslib.as_array(self._lib.llama_get_embeddings(self._ctx), shape=(n, self.model.n_embd))
+        return torch.from_numpy(logits.copy()), torch.from_numpy(hidden.copy())  # llama.cpp reuses its buffers

@@ -1,0 +1,139 @@
+"""The llama.cpp backend on the packaged GGUF target (as shipped, Q4_1): lossless, and its cache
+bookkeeping right.
+
+Greedy: speculative decoding on llama.cpp is token-identical to llama.cpp's target alone, on 12
+real prompts, one at a time and 4 in flight; a divergence is tolerated only at a near-tie
+(``NEAR_TIE["gguf"]``: a verification block runs other kernels than a one-token decode).
+
+Sampling: 2-token continuations of a repetitive prompt (n-gram proposals, so rejection sampling
+runs) against the exact distribution computed from llama.cpp's own logits; chi-square, N = 2000,
+seeds 20000.., p-value > 1e-3, and no continuation the target rules out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onlinespec.api import engine_options, make_proposer, new_decoder
+from onlinespec.backends import resolve_backend, resolve_device
+from onlinespec.benchmark import NEAR_TIE, divergence_gap
+from onlinespec.data import packaged_prompts
+from onlinespec.decoding.proposers.ngram import NgramProposer
+from onlinespec.decoding.runners.llamacpp import LlamaCppError
+from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
+from onlinespec.models import load_target
+
+pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+    loaded = load_target("default", backend="auto", device="cpu")
+    assert loaded.backend == "llama.cpp", "a GGUF target on a CPU runs on llama.cpp by default"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [list(q.messages) for q in packaged_prompts(12, seed=11)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    alone = new_decoder(target, None, 0)
+    return [alone.generate(p, SamplingParams(max_new_tokens=NEW_TOKENS)).token_ids for p in prompts]
+
+
+def check_identical(target, prompts, reference, outputs, label):
+    diverged = 0
+    for prompt, expected, out in zip(prompts, reference, outputs):
+        if out.token_ids != expected:
+            diverged += 1
+            gap = divergence_gap(target, out.prompt_ids, expected, out.token_ids)
+            assert gap <= NEAR_TIE["gguf"], f"{label}: greedy output diverged where the target was not near a tie (gap {gap:.3f})"
+    assert diverged <= 1, f"{label}: {diverged} of {len(prompts)} outputs diverged (near-ties, but more than one is suspicious)"
+
+
+@pytest.mark.parametrize("draft, k, adaptive", [("hybrid", 4, True), ("ngram", 3, False)])
+def test_greedy_speculative_is_identical_on_llamacpp(target, prompts, reference, draft, k, adaptive):
+    options = engine_options(target, k, adaptive=True, max_batch=4) if adaptive else {}
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    one = new_decoder(target, make_proposer(draft, target).proposer, k, options)
+    check_identical(target, prompts, reference, [one.generate(p, params) for p in prompts], f"{draft} alone")
+    batched = new_decoder(target, make_proposer(draft, target).proposer, k, options, max_batch=4)
+    outputs = batched.generate_many(prompts, params)
+    check_identical(target, prompts, reference, outputs, f"{draft} 4 in flight")
+    if not adaptive:  # fixed k: every round verified k + 1 tokens, so wide blocks did run
+        assert sum(o.stats.proposed for o in outputs) > 0
+
+
+@torch.inference_mode()
+def test_sampling_follows_llamacpp_target_distribution(target, chi_square):
+    prompt = target.tokenizer("one two three one two three one two three one two").input_ids
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
+    runner, row = target.runner(1), object()
+    first = logits_to_probs(runner.forward_alone(row, prompt, 1)[0][-1], params).double()
+    runner.release([row])
+    exact = {}
+    for t1 in torch.nonzero(first).flatten().tolist():
+        runner, row = target.runner(1), object()
+        second = logits_to_probs(runner.forward_alone(row, prompt + [t1], 1)[0][-1], params).double()
+        runner.release([row])
+        exact.update({(t1, t2): float(first[t1] * second[t2]) for t2 in torch.nonzero(second).flatten().tolist()})
+    decoder = new_decoder(target, NgramProposer(max_ngram=3), 3, max_batch=8)
+    n = 800
+    runs = decoder.generate_many([prompt] * n, [SamplingParams(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True, seed=20_000 + i)
+                                                for i in range(n)])
+    counts: dict[tuple, int] = {}
+    for out in runs:
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert sum(o.stats.rejected for o in runs) > n / 20 and sum(o.stats.accepted for o in runs) > n / 20, "rejection sampling did not run"
+    assert sum(c for x, c in counts.items() if exact.get(x, 0.0) == 0) == 0, "emitted a continuation the target rules out"
+    keys = sorted(set(exact) | set(counts))
+    p_value, stat, df = chi_square([counts.get(x, 0) for x in keys], [exact.get(x, 0.0) for x in keys])
+    assert p_value > 1e-3, (p_value, stat, df)
+
+
+@torch.inference_mode()
+def test_commit_keeps_only_the_accepted_positions(target):
+    """After a 4-token block of which 2 are kept, the next forward reads exactly the prompt and
+    those 2 tokens: its logits match a request that prefilled them alone."""
+    prompt = target.tokenizer("The capital of France is").input_ids
+    runner, row = target.runner(2), object()
+    runner.forward_alone(row, prompt, 1)
+    runner.join(row, len(prompt))
+    runner.forward([[11, 12, 13, 14]])
+    runner.commit([2])
+    logits, hidden = runner.forward([[15]])
+    fresh, other = target.runner(1), object()
+    expected, expected_hidden = fresh.forward_alone(other, prompt + [11, 12, 15], 1)
+    assert torch.allclose(logits[0][-1], expected[-1], atol=0.05), float((logits[0][-1] - expected[-1]).abs().max())
+    assert hidden[0].shape == (1, target.model.config.hidden_size)
+    assert torch.nn.functional.cosine_similarity(hidden[0][-1], expected_hidden[-1], dim=0) > 0.999
+
+
+def test_sequences_are_released_and_bounded(target):
+    runner = target.runner(2)
+    rows = [object(), object()]
+    for row in rows:
+        runner.prefill(row, [1, 2, 3])
+    with pytest.raises(LlamaCppError, match="sequences are in use"):
+        runner.prefill(object(), [1, 2, 3])
+    runner.release(rows[:1])
+    runner.prefill(object(), [1, 2, 3])  # the freed sequence is reused
+    assert len(runner.holding()) == 2
+
+
+def test_backend_choice_says_what_to_fix():
+    assert resolve_backend("auto", gguf=False, device="cpu") == "torch"
+    with pytest.raises(ValueError, match="runs GGUF files"):
+        resolve_backend("llama.cpp", gguf=False, device="cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        resolve_backend("vllm", gguf=True, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")
+        assert resolve_device("auto") == "cpu"
