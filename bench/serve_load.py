@@ -27,13 +27,13 @@ DOMAINS = ("chat", "code", "math_ml")
 SERVERS = {"speculative": ["--static"], "target_alone": ["--draft", "none"]}
 
 
-def send(client, model: str, query, max_tokens: int) -> dict:
-    """One streamed, greedy request; what the client saw."""
+def send(client, model: str, query, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed, greedy request; what the client saw (``extra``: more body fields)."""
     started = time.perf_counter()
     first, text, usage, error = None, [], None, None
     try:
         kwargs = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-                      extra_body={"domain": query.domain})
+                      extra_body={"domain": query.domain, **(extra or {})})
         if query.messages:
             stream = client.chat.completions.create(messages=list(query.messages), **kwargs)
         else:
@@ -53,12 +53,12 @@ def send(client, model: str, query, max_tokens: int) -> dict:
             "tokens": usage.completion_tokens if usage else 0, "error": error, "start": started, "end": end}
 
 
-def run_level(client, model: str, queries, max_tokens: int, concurrency: int) -> dict:
+def run_level(client, model: str, queries, max_tokens: int, concurrency: int, extra: dict | None = None) -> dict:
     from onlinespec.metrics import percentile
 
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda q: send(client, model, q, max_tokens), queries))
+        results = list(pool.map(lambda q: send(client, model, q, max_tokens, extra), queries))
     wall = time.perf_counter() - started
     ok = [r for r in results if r["error"] is None]
     latencies, ttfts = [r["latency_s"] for r in ok], [r["ttft_s"] for r in ok]

@@ -11,7 +11,9 @@ runner = CliRunner()
 
 
 @pytest.mark.slow
-def test_bench_writes_side_by_side_figures(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_bench_writes_side_by_side_figures(tmp_path, backend):
+    """torch: beside HF assisted generation; auto: the packaged GGUF on llama.cpp (no HF there)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         '{"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}], "domain": "code"}\n'
@@ -19,15 +21,17 @@ def test_bench_writes_side_by_side_figures(tmp_path):
     )
     out = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", "--prompts", str(prompts), "--json", str(out), "--draft", "ngram",
-                                 "--k", "3", "--max-new-tokens", "12"])
+                                 "--k", "3", "--max-new-tokens", "12", "--backend", backend])
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     assert summary["n_prompts"] == 2 and summary["k"] == 3 and summary["draft"] == "ngram"
-    for key in ("speedup_vs_target", "speedup_vs_hf", "predicted_speedup"):
+    hf = backend == "torch"
+    assert summary["config"]["backend"] == ("torch" if hf else "llama.cpp")
+    for key in ("speedup_vs_target", "predicted_speedup") + (("speedup_vs_hf",) if hf else ()):
         assert summary[key] > 0
     assert summary["speculative"]["greedy_identical"] == 2
     for fig in (summary, *summary["domains"].values()):
-        for method in ("target_alone", "speculative", "hf_assisted"):
+        for method in ("target_alone", "speculative") + (("hf_assisted",) if hf else ()):
             assert fig[method]["tokens_per_s"] > 0
         assert 0 <= fig["speculative"]["acceptance_rate"] <= 1
         assert fig["speculative"]["mean_accepted_length"] >= 1

@@ -208,3 +208,14 @@ def test_rows_with_holes_compute_what_each_request_computes_alone(tiny_llama):
             batch.compact()
             assert batch.width == max(batch.lengths)
     assert batch.lengths == [len(tokens[name]) for name in batch.rows]
+
+
+def test_a_draft_judged_not_to_pay_is_measured_again(tiny_target):
+    """On a steep verify curve (as llama.cpp's on a 2-core CPU) adaptive k stops drafting; once in
+    ``explore_every`` such steps it drafts one token and verifies it, so a draft that improved
+    (or a cold one) is measured again instead of being frozen out for good."""
+    steep = AdaptiveK([1.0, 5.0, 6.0], explore_every=8)
+    decoder = SpeculativeDecoder(tiny_target, None, NgramProposer(max_ngram=2), k=2, adaptive_k=steep)
+    out = decoder.generate([1, 2, 1, 2, 1, 2, 1], SamplingParams(max_new_tokens=40))
+    assert 0 < out.stats.proposed <= 40 // 8 + 2, out.stats.proposed  # a proposal in (about) every 8th step, one token each
+    assert any(rate.judged > 0 for rate in steep.rates.values()), "what verification judged was recorded"

@@ -52,11 +52,12 @@ class AdaptiveK:
     decay: float = 0.998  # per judged proposal: the estimate follows about the last 500
     padded: bool = True  # blocks are padded to the cheapest wider width (CostCurve.padded)
     rates: dict[tuple[str, int], _Rate] = field(default_factory=dict)
-    # After this many steps in a row that drafted nothing, one step drafts and verifies in full:
-    # estimates stop changing while nothing is verified, so without it a draft judged not to pay
-    # (a cold one, or on a target whose verify cost is steep) would never be measured again,
-    # even once it has learned. It costs at most one wider forward in this many steps.
-    explore_every: int = 32
+    # After this many steps in a row that drafted nothing, one step drafts one token and verifies
+    # it: estimates stop changing while nothing is verified, so without it a draft judged not to
+    # pay (a cold one, or on a target whose verify cost is steep) would never be measured again,
+    # even once it has learned. It costs one 2-token forward in this many steps (on the
+    # llama.cpp curve of docs/backends.md, about 1%).
+    explore_every: int = 64
     _idle: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:

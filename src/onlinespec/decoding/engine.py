@@ -82,7 +82,7 @@ class SpeculativeEngine:
         self.eos_token_ids, self.k, self.trace_top_k = eos_token_ids, k, trace_top_k
         self.prefill_chunk = prefill_chunk
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
-        self._exploring = False  # this step verifies every proposal (AdaptiveK.idle_step)
+        self._exploring = False  # this step verifies what it drafted, paying or not (AdaptiveK.idle_step)
 
     @property
     def context(self) -> int:
@@ -208,8 +208,8 @@ class SpeculativeEngine:
                                  self._draft_cost(decoding)) if decoding else self.k
         planner = next((r.adaptive for r in decoding if r.adaptive is not None and not r.fixed_k), None)
         self._exploring = budget == 0 and planner is not None and planner.idle_step()
-        if self._exploring:  # measure the drafts again: this step verifies every proposal
-            budget = self.k
+        if self._exploring:  # measure the drafts again: this step drafts one token and verifies it
+            budget = min(self.k, 1)
         groups: dict[int, list[int]] = {}
         asks: list[int] = []
         for i, r in enumerate(rows):
