@@ -73,7 +73,11 @@ def main() -> None:
     parser.add_argument("--lookup", type=int, default=4, help="llama.cpp prompt lookup: tokens drafted per round")
     parser.add_argument("--torch", action="store_true", help="also run the torch backend (fp32)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--head-acceptance", action="store_true",
+                        help="instead: the packaged head's acceptance (fixed k) on both backends, same prompts")
     args = parser.parse_args()
+    if args.head_acceptance:
+        return head_acceptance(args)
     RUNS.mkdir(parents=True, exist_ok=True)
     out = RUNS / "backends.json"
     if not args.report_only:
@@ -147,6 +151,33 @@ def measure(queries, args) -> dict:
     return {"command": " ".join(["python", "bench/backends.py", *sys.argv[1:]]), "machine": machine_info(), "n_prompts": len(rows),
             "max_new_tokens": args.max_new_tokens, "threads": cpu_threads(), "summary": summary, "rows": rows,
             "cost_curve_ms": {key: [round(1000 * s, 2) for s in v] for key, v in curve.to_dict().items()}}
+
+
+def head_acceptance(args) -> None:
+    """The packaged head alone, fixed k = 2, greedy, on each backend: what verification accepted
+    (alpha, and the first proposal's acceptance). The features it reads come from each backend's
+    own forward: llama.cpp's Q4_1 kernels against the dequantised weights in fp32."""
+    prompts = RUNS / "heldout.jsonl"
+    subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
+                    "--split", "heldout"], check=True)
+    queries = read_queries_jsonl(prompts)
+    out = {"command": " ".join(["python", "bench/backends.py", *sys.argv[1:]]), "machine": machine_info(), "n_prompts": len(queries)}
+    for backend in ("llama.cpp", "torch"):
+        target = load_target("default", backend=backend, device="cpu")
+        decoder = new_decoder(target, make_proposer("head", target).proposer, 2, trace_top_k=1)
+        proposed = accepted = first = rounds = 0
+        for q in queries:
+            g = decoder.generate(list(q.messages) if q.messages else q.prompt, SamplingParams(max_new_tokens=args.max_new_tokens), trace=True)
+            for t in g.trace:
+                if t.proposals:
+                    rounds += 1
+                    proposed += len(t.proposals)
+                    accepted += t.n_accepted
+                    first += t.n_accepted > 0
+        out[backend] = {"alpha": accepted / proposed, "first_proposal_accepted": first / rounds, "rounds": rounds}
+        print(backend, out[backend], flush=True)
+    out["alpha_difference"] = out["llama.cpp"]["alpha"] - out["torch"]["alpha"]
+    (DOCS / "backends-head-acceptance.json").write_text(json.dumps(out, indent=1))
 
 
 def write_report(result: dict) -> None:

@@ -5,8 +5,9 @@ client on 127.0.0.1.
 - `onlinespec`: `onlinespec serve` on the packaged default (the llama.cpp backend, the default
   hybrid draft kept static, batched engine with --max-batch at the highest level);
 - `onlinespec alone`: the same server with `--draft none` (the target alone, batched);
-- `llama_cpp.server`: `python -m llama_cpp.server` on the same GGUF, 2 threads, n_ctx 4096. It
-  serves one request at a time (its settings have no parallel slots); repeat penalty off so it
+- `llama_cpp.server`: `python -m llama_cpp.server` on the same GGUF, 2 threads, n_ctx 4096,
+  `--interrupt_requests False` (its default cancels the request in flight when another arrives).
+  It serves one request at a time (its settings have no parallel slots); repeat penalty off so it
   computes what the others do.
 
 Streamed, greedy, 48 new tokens at most; the levels run one after the other per server, the
@@ -54,7 +55,10 @@ def start(name: str, port: int, work: Path, max_batch: int, n: int, max_tokens: 
     if name == "llama_cpp.server":
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()), "--host", "127.0.0.1",
                    "--port", str(port), "--n_threads", str(cpu_threads()), "--n_threads_batch", str(cpu_threads()),
-                   "--n_ctx", "4096", "--n_batch", "512"]
+                   "--n_ctx", "4096", "--n_batch", "512",
+                   # its default (True) cancels the request in flight whenever a new one arrives:
+                   # at 4 in flight every stream but the last came back empty, with status 200
+                   "--interrupt_requests", "False"]
         ready = f"http://127.0.0.1:{port}/v1/models"
     else:
         extra = ["--static"] if name == "onlinespec" else ["--draft", "none"]
@@ -73,6 +77,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--servers", default="onlinespec,llama_cpp.server,onlinespec alone")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "serve-vs-llamacpp")
+    parser.add_argument("--out", type=Path, default=DOCS / "serve-vs-llamacpp.json")
     args = parser.parse_args()
     import openai
 
@@ -101,15 +106,30 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(60)
+    # llama_cpp.server sends no usage in its streams: every server's tokens are counted the same
+    # way, by tokenizing the text it streamed with the target's tokenizer
+    from transformers import AutoTokenizer
+
+    from onlinespec.models import default_target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_target_dir()))
+    texts = {name: {n: f.pop("texts") for n, f in figures.items()} for name, figures in result["servers"].items()}
+    (args.work / f"{args.out.stem}-texts.json").write_text(json.dumps(texts))
+    for name, figures in result["servers"].items():
+        for n, f in figures.items():
+            f["tokens_retokenized"] = sum(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts[name][n].values())
+            f["tokens_per_s_retokenized"] = f["tokens_retokenized"] / f["wall_s"]
     for name, figures in result["servers"].items():
         for n, f in figures.items():
             base = result["servers"].get("llama_cpp.server", {}).get(n)
-            f["ratio_vs_llama_cpp_server"] = f["tokens_per_s"] / base["tokens_per_s"] if base else None
-    texts = {name: {n: f.pop("texts") for n, f in figures.items()} for name, figures in result["servers"].items()}
-    (args.work / "texts.json").write_text(json.dumps(texts))
-    (DOCS / "serve-vs-llamacpp.json").write_text(json.dumps(result, indent=1))
+            f["ratio_vs_llama_cpp_server"] = f["tokens_per_s_retokenized"] / base["tokens_per_s_retokenized"] if base else None
+        same = texts.get("onlinespec alone", {})
+        if name != "onlinespec alone" and same:
+            for n in figures:
+                figures[n]["same_text_as_onlinespec_alone"] = sum(texts[name][n][k] == same[n].get(k) for k in texts[name][n])
+    args.out.write_text(json.dumps(result, indent=1))
     for name, figures in result["servers"].items():
-        print(name, {n: round(f["tokens_per_s"], 1) for n, f in figures.items()})
+        print(name, {n: (round(f["tokens_per_s_retokenized"], 1), f["ratio_vs_llama_cpp_server"]) for n, f in figures.items()})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def forward_costs(target, max_width: int = 8, context: int = 64, reps: int = 5, 
     for row in rows:
         runner.forward_alone(row, torch.randint(0, vocab, (context,), generator=generator).tolist(), 1)
         runner.join(row, context)
+    for _ in range(2):  # warm-up: a backend's first forwards at a new shape build and allocate their graphs
+        runner.forward(torch.randint(0, vocab, (batch, max_width), generator=generator).tolist())
+        runner.rewind()
     costs = []
     for width in range(1, max_width + 1):
         times = []
