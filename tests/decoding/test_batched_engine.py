@@ -129,12 +129,16 @@ def test_plain_decoding_when_wider_forwards_do_not_pay_at_a_large_batch(tiny_tar
     costs = {(1, 64): [1.0, 1.02, 1.04, 1.06], (4, 64): [1.5, 4.5, 4.6, 4.7]}
     adaptive = AdaptiveK(CostCurve(costs))
     proposer = DraftModelProposer(tiny_target)  # the target itself: everything it proposes is accepted
+    asked = []  # the number of requests each draft call drafted for
+    propose = proposer.propose
+    proposer.propose = lambda batch: asked.append(len(batch)) or propose(batch)
     decoder = SpeculativeDecoder(tiny_target, None, proposer, k=3, adaptive_k=adaptive)
     steps = []
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4
     decoder.generate_many([[1, 2], [3, 4], [5, 0], [2, 2]], params, max_batch=4, on_step=steps.append)
     full = [s for s in steps if s.batch == 4]
-    assert full and all(s.width == 1 and s.proposed == 0 and s.draft_seconds < 1e-3 for s in full)
+    assert full and all(s.width == 1 and s.proposed == 0 for s in full)
+    assert len(asked) <= 4, asked  # drafted for joining requests only (their first round), never for the full batch
     steps.clear()
     out = decoder.generate_many([[1, 2]], params[:1], max_batch=1, on_step=steps.append)[0]
     assert out.stats.accepted > 0 and max(s.width for s in steps) > 1
