@@ -150,7 +150,7 @@ def measure(queries, args) -> dict:
     curve = ours["ours default (llama.cpp)"].adaptive_k.curve
     return {"command": " ".join(["python", "bench/backends.py", *sys.argv[1:]]), "machine": machine_info(), "n_prompts": len(rows),
             "max_new_tokens": args.max_new_tokens, "threads": cpu_threads(), "summary": summary, "rows": rows,
-            "cost_curve_ms": {key: [round(1000 * s, 2) for s in v] for key, v in curve.to_dict().items()}}
+            "cost_curve_ms": curve.milliseconds()}
 
 
 def head_acceptance(args) -> None:

@@ -79,7 +79,7 @@ def main() -> None:
         model = build(shape, args.device, dtype)
         tick = time.perf_counter()
         curve = measure_cost_curve(TorchRunner(model, pad=False), max_width=8, batches=batches, reps=5)
-        entry = {"cost_curve_ms": {key: [round(1000 * s, 3) for s in v] for key, v in curve.to_dict().items()},
+        entry = {"cost_curve_ms": curve.milliseconds(3),
                  "curve_seconds": round(time.perf_counter() - tick, 1), "alone_tokens_per_s": {}}
         for in_flight in batches:
             entry["alone_tokens_per_s"][in_flight] = round(alone_tokens_per_s(model, in_flight, 16 if args.quick else 64, 128), 1)

@@ -43,8 +43,8 @@ from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
 from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_target
-from onlinespec.tokens import eos_token_ids
 from onlinespec.online.storage import atomic_write
+from onlinespec.tokens import eos_token_ids
 
 log = logging.getLogger("onlinespec")
 

@@ -346,7 +346,7 @@ def run_concurrency_bench(
     reference: list[list[int]] | None = None
     result: dict = {"n_prompts": len(queries), "config": asdict(config), "machine": machine_info(),
                     "small_batch_kernels_on": kernels.enabled(target.model),
-                    "cost_curve_ms": {key: [1000 * s for s in v] for key, v in options["cost_curve"].to_dict().items()} if options.get("cost_curve") else None,
+                    "cost_curve_ms": options["cost_curve"].milliseconds(3) if options.get("cost_curve") else None,
                     "concurrency": {}}
     for n, level in enumerate(levels):
         figures, outputs = {}, {}

@@ -1,3 +1,4 @@
+# Over 500 lines: one typer app, every subcommand's options beside its body; split into a cli/ package per command group with issue 29.
 """The ``onlinespec`` command: generate, bench, demo, data, costmodel."""
 
 from __future__ import annotations

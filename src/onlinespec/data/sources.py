@@ -1,3 +1,4 @@
+# Over 500 lines: one loader per packaged data set, each short and alone; a data/sources/ package per set would only add imports.
 """Query sources: real prompts shipped inside PyPI packages, and JSONL query files.
 
 Every loader returns a list of :class:`Query` in a deterministic order. The data files are

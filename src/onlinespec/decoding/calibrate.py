@@ -116,6 +116,10 @@ class CostCurve:
     def to_dict(self) -> dict:
         return {f"{b}x{c}": v for (b, c), v in sorted(self.seconds.items())}
 
+    def milliseconds(self, digits: int = 2) -> dict:
+        """:meth:`to_dict` in milliseconds, rounded: what reports and event logs show."""
+        return {key: [round(1000 * t, digits) for t in costs] for key, costs in self.to_dict().items()}
+
     @classmethod
     def from_dict(cls, saved: dict) -> "CostCurve":
         """The curve :meth:`to_dict` wrote."""

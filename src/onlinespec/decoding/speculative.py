@@ -14,13 +14,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 from transformers import PreTrainedModel
 
-from onlinespec.decoding.runners import TargetRunner
-
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.calibrate import CostCurve
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.request import Generation, RequestState, RequestStats, RoundTiming, RoundTrace, StreamChunk
+from onlinespec.decoding.runners import TargetRunner
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.stopping import StopChecker

@@ -1,3 +1,4 @@
+# Over 500 lines: the update loop, its gate and its CPU budget in one place; the budget becomes the engine's learning slices with issue 27.
 """The online learner (arXiv 2310.07177, section 4.2): every I requests, distil a private copy of the serving
 draft on the replay buffer in the background, gate it on held-out recent records of every domain, publish it to
 the registry and hand it to the proposer, which takes it between two rounds.

@@ -1,3 +1,4 @@
+# Over 500 lines: drafts, learners and the content-routing lifecycle together; moving the lifecycle to a routing/ package is issue 29.
 """The drafts a stream is served with (arXiv 2310.07177, section 4.3): one per name the router gives, each
 with its own proposer, decoder (its own adaptive-k statistics), replay buffer, registry and
 learner, all under one output folder::

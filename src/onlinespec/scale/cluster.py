@@ -1,3 +1,4 @@
+# Over 500 lines: the Ray front mirrors ServingCore's surface; it shrinks once the core's handles and errors have a module of their own (issue 29).
 """The front of a Ray deployment: what the OpenAI-compatible app serves from when there are replicas.
 
 :class:`RayCore` has the surface of :class:`~onlinespec.serve.core.ServingCore` that the app uses

@@ -1,3 +1,4 @@
+# Over 500 lines: the serving core's threads, handles, errors and events together; carving it (serve/handles.py, routing/) is issue 29.
 """The serving core: one target, its drafts, one engine loop and the online learners.
 
 Everything that serves goes through :class:`ServingCore`: the HTTP server
@@ -382,7 +383,7 @@ class ServingCore:
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch, "backend": self.target.backend, "device": str(self.target.device),
                     "context": self.context,
-                    "cost_curve_ms": {key: [round(1000 * t, 2) for t in v] for key, v in curve.to_dict().items()} if curve else None})
+                    "cost_curve_ms": curve.milliseconds() if curve else None})
         self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
         self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
         self._recorder_thread.start()
