@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import secrets
 import shlex
 import shutil
@@ -24,6 +25,7 @@ from onlinespec.benchmark import BenchConfig
 from onlinespec.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.safety import command_line, private_files
 from onlinespec.serve.app import ServerSettings
 from onlinespec.serve.core import CoreConfig
 
@@ -114,7 +116,7 @@ def bench(
     config = BenchConfig(target, draft, k, dtype, backend, device, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify,
                          adaptive_k, kernels)
     summary = _run_concurrency_bench(queries, config, levels) if levels else _run_bench(queries, config)
-    summary["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    summary["command"] = command_line(sys.argv[1:])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(summary, indent=2))
     if levels:
@@ -169,7 +171,7 @@ def warmup(
         math_languages=languages, math_samples=math_samples, max_new_tokens=max_new_tokens,
     )
     meta = _user_errors(lambda: warm_feature_head(loaded, str(out_dir), recipe, data))
-    meta["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    meta["command"] = command_line(sys.argv[1:])
     (out_dir / "warmup.json").write_text(json.dumps(meta, indent=2))
     for domain, fig in meta["heldout"].items():
         console.print(f"{domain:6s} step acceptance {fig['step_acceptance']}  accepted per round (k=1..) {fig['accepted_per_round']}")
@@ -199,7 +201,7 @@ def distill(
     loaded = _user_errors(lambda: load_model(target, dtype))
     run = _user_errors(lambda: DistillRun(domain=domain, signal=signal, loss=loss, queries=queries, steps=steps, lr=lr, mix_ratio=mix_ratio))
     result = _user_errors(lambda: run_distill(loaded, start, run, out_dir))
-    result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    result["command"] = command_line(sys.argv[1:])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
     console.print(json.dumps(result["heldout"], indent=1))
@@ -241,6 +243,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
     "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
+    "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
     "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
@@ -259,7 +262,7 @@ def _core_config(o: dict) -> CoreConfig:
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
-                                         "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "request_timeout",
+                                         "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
@@ -291,6 +294,8 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="require 'Authorization: Bearer KEY' on /v1 routes", envvar="ONLINESPEC_API_KEY")] = None,
     admin_key: Annotated[Optional[str], typer.Option(help="enable the admin API, behind 'Authorization: Bearer KEY'", envvar="ONLINESPEC_ADMIN_KEY")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the API key from this file (keeps it out of `ps`)")] = None,
+    admin_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the admin key from this file")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: the target spec's name)")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
     drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
@@ -323,12 +328,28 @@ def serve(
             raise typer.Exit(2)
 
     core = replace(core, static_baseline=static_baseline, log_text=log_text)
+    api_key, admin_key = _key(api_key, api_key_file, "--api-key"), _key(admin_key, admin_key_file, "--admin-key")
+    private_files()
     name = served_model_name or model_name(core.target)
     settings = ServerSettings(model_name=name, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
                               drain_seconds=drain_seconds)
     where = f", {replicas} replicas on Ray" if scale else ""
     console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
     _user_errors(lambda: run_server(core, out_dir, host, port, settings, scale))
+
+
+def _key(value: str | None, path: Path | None, option: str) -> str | None:
+    """A key from its file (``--api-key-file``), else from the option or its environment variable;
+    a key typed on the command line works but is visible to every user of the machine in ``ps``."""
+    if path is not None:
+        value = _user_errors(lambda: path.read_text().strip())
+        if not value:
+            console.print(f"[red]error:[/red] {path} is empty: write the key in it")
+            raise typer.Exit(2)
+    elif any(a == option or a.startswith(f"{option}=") for a in sys.argv):
+        env = "ONLINESPEC_API_KEY" if option == "--api-key" else "ONLINESPEC_ADMIN_KEY"
+        console.print(f"[yellow]warning:[/yellow] {option} on the command line is visible to other users (ps): prefer {env} or {option}-file")
+    return value
 
 
 def model_name(target: str) -> str:
@@ -367,6 +388,7 @@ def demo(
     blocks = _user_errors(lambda: _blocks(per_domain, names))
     pools = _user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
     queries = _user_errors(lambda: abrupt_shifts(pools, blocks, seed=0))
+    private_files()
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "run").exists():  # a demo starts from the packaged draft every time (`online` resumes instead)
         shutil.rmtree(out_dir / "run")
@@ -374,15 +396,15 @@ def demo(
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     admin_key = secrets.token_hex(16)
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
-            "--admin-key", admin_key, "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens)]
+            "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens)]
     if replicas:
         args += ["--replicas", str(replicas)]
     title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"
     title += f", {replicas} replicas on Ray" if replicas else ""
     config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every)
     (out_dir / "run").mkdir(parents=True)
-    console.print(f"starting `onlinespec serve {shlex.join(a if a != admin_key else '***' for a in args)}` (log: {out_dir / 'run' / 'server.log'})")
-    with ServerProcess(args, log=out_dir / "run" / "server.log") as server:
+    console.print(f"starting `onlinespec serve {shlex.join(args)}`, the admin key in ONLINESPEC_ADMIN_KEY (log: {out_dir / 'run' / 'server.log'})")
+    with ServerProcess(args, log=out_dir / "run" / "server.log", env={**os.environ, "ONLINESPEC_ADMIN_KEY": admin_key}) as server:
         client = HTTPClient(server.url, model=model_name(target), admin_key=admin_key)
         _serve_with_progress(queries, config, out_dir / "run", out_dir / "online.json", title,
                              lambda on_request, say: drive(queries, client, config, on_request, say), learn=True)
@@ -417,6 +439,7 @@ def online(
     from onlinespec.stream import OnlineConfig, run_stream
 
     queries = _user_errors(lambda: read_queries_jsonl(stream))
+    private_files()
     if not queries:
         console.print(f"[red]error:[/red] {stream} holds no queries: write one JSON object per line (see `onlinespec data stream`)")
         raise typer.Exit(2)
@@ -449,7 +472,7 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
             progress.update(task, advance=1, info=info)
 
         result = _user_errors(lambda: run(on_request, lambda text: progress.update(task, info=text)))
-    result["command"] = shlex.join(["onlinespec", *sys.argv[1:]])
+    result["command"] = command_line(sys.argv[1:])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
     report = write_report({"online" if learn else "static": result}, out_dir, title, result["command"])
@@ -491,7 +514,7 @@ def report(
             results[label] = json.loads(Path(path).read_text())
         return results
 
-    path = write_report(_user_errors(load), out_dir, title, shlex.join(["onlinespec", *sys.argv[1:]]))
+    path = write_report(_user_errors(load), out_dir, title, command_line(sys.argv[1:]))
     console.print(f"wrote {path}")
 
 

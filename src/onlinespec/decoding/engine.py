@@ -16,6 +16,13 @@ One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.s
 5. **commit**: each request keeps its accepted columns in the cache (the rest become holes,
    :mod:`onlinespec.decoding.batch_cache`), records its trace, and stops where it must.
 
+Failures stay with the request that caused them. What raises in a request's own work (its
+prompt's forwards, its verification) finishes that request alone with ``error`` set, and the
+step goes on for the others; a proposer that raises drafts nothing for that step (drafts are
+advice: output is the target's either way). A batched forward that raises cannot say whose
+fault it was: the scheduler then recomputes the batch (:meth:`~SpeculativeEngine.recompute`), and
+the next step prefills every request alone, where a culprit fails by itself.
+
 With no proposer (or ``k = 0``) the same step is plain autoregressive decoding of the target alone,
 so the baseline runs the same code, the same kernels and the same batching. One request alone is
 a batch of one: there is no second engine.
@@ -23,8 +30,9 @@ a batch of one: there is no second engine.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -56,6 +64,7 @@ class StepReport:
     target_seconds: float  # the batched forward
     prefill_seconds: float  # prompt forwards (chunks and joining requests)
     seconds: float
+    failed: list[RequestState] = field(default_factory=list)  # requests this step failed alone (their ``error``)
 
 
 class SpeculativeEngine:
@@ -83,6 +92,7 @@ class SpeculativeEngine:
         self.prefill_chunk = prefill_chunk
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
         self._exploring = False  # this step verifies what it drafted, paying or not (AdaptiveK.idle_step)
+        self.draft_failures = 0  # proposer calls that raised (their requests went on undrafted)
 
     @property
     def context(self) -> int:
@@ -107,6 +117,14 @@ class SpeculativeEngine:
         """Drop every request's cache rows (after a step that failed half-way)."""
         self.runner.reset()
 
+    def recompute(self, requests: list[RequestState]) -> None:
+        """After a batched forward that raised: drop every cache row, and let ``requests`` (those
+        still running) prefill their text again at the next step, one forward each, where a
+        request that breaks the target fails alone (:meth:`RequestState.recompute`)."""
+        self.runner.reset()
+        for r in requests:
+            r.recompute()
+
     # ---- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -122,7 +140,8 @@ class SpeculativeEngine:
         decoding: list[RequestState] = list(runner.rows)
         running = {id(r) for r in decoding}
         waiting = [r for r in active if not r.finished and id(r) not in running]
-        joining, prefill_seconds, prefill_tokens = self._prefill(waiting, bool(decoding))
+        failed: list[RequestState] = []
+        joining, prefill_seconds, prefill_tokens = self._prefill(waiting, bool(decoding), failed)
         for r in active:
             r.new_tokens = []
 
@@ -147,57 +166,79 @@ class SpeculativeEngine:
             kept = []
             for b, (r, proposal) in enumerate(zip(decoding, blocks_props)):
                 timing = RoundTiming(len(proposal), draft_seconds, target_seconds, len(decoding))
-                n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
+                try:
+                    n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
+                except Exception as err:  # this row's verification: it fails alone, released below
+                    self._failed(r, err, failed)
+                    n_accepted = 0
                 kept.append(1 + n_accepted)
                 proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
             runner.commit(kept)
 
         # requests whose last prompt chunk runs now: prefill + first verification in one forward of their own
         for r, proposal in zip(joining, proposals[: len(joining)]):
-            rest = r.prompt_ids[r.prefilled:]
+            rest, cached = r.ids[r.prefilled:], len(r.ids)  # the prompt, or all the text of a request recomputed
             proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
-            tick = time.perf_counter()
-            logits, hidden = runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
-            if hidden is not None:
-                r.add_prompt_states(hidden[:1])  # the prompt's last position
-                hidden = hidden if getattr(r.proposer, "uses_features", False) else None
-            seconds = time.perf_counter() - tick
-            prefill_seconds += seconds
-            prefill_tokens += len(rest)
-            r.prefilled = len(r.prompt_ids)
-            n_accepted = self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), draft_seconds, seconds, 1))
+            try:
+                tick = time.perf_counter()
+                logits, hidden = runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+                if hidden is not None:
+                    if cached == len(r.prompt_ids):
+                        r.add_prompt_states(hidden[:1])  # the prompt's last position
+                    hidden = hidden if getattr(r.proposer, "uses_features", False) else None
+                seconds = time.perf_counter() - tick
+                prefill_seconds += seconds
+                prefill_tokens += len(rest)
+                r.prefilled = cached
+                n_accepted = self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), draft_seconds, seconds, 1))
+            except Exception as err:  # its own forward or verification: it fails alone
+                self._failed(r, err, failed)
+                runner.release([r])
+                continue
             proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
             if r.finished:
                 runner.release([r])
             else:
-                runner.join(r, len(r.prompt_ids) + n_accepted)
+                runner.join(r, cached + n_accepted)
 
         runner.release([r for r in runner.rows if r.finished])
         return StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
-                          draft_seconds, target_seconds, prefill_seconds, time.perf_counter() - start)
+                          draft_seconds, target_seconds, prefill_seconds, time.perf_counter() - start, failed)
 
     # ---- the parts of a step ----------------------------------------------------------------
 
-    def _prefill(self, waiting: list[RequestState], others_decoding: bool) -> tuple[list[RequestState], float, int]:
+    def _prefill(self, waiting: list[RequestState], others_decoding: bool,
+                 failed: list[RequestState]) -> tuple[list[RequestState], float, int]:
         """Run prompt chunks within this step's budget; return the requests whose last chunk
         fits (they verify in this step) and the time and tokens spent on the other chunks."""
         budget = self.prefill_chunk if others_decoding else None  # nobody waits on an empty batch
         joining, seconds, tokens = [], 0.0, 0
         for r in waiting:
-            rest = len(r.prompt_ids) - r.prefilled
+            rest = len(r.ids) - r.prefilled
             if budget is None or rest <= budget:
                 joining.append(r)
                 budget = None if budget is None else budget - rest
                 continue
             if budget > 0:  # a chunk that does not reach the end of the prompt: no logits needed
-                chunk = r.prompt_ids[r.prefilled: r.prefilled + budget]
+                chunk = r.ids[r.prefilled: r.prefilled + budget]
                 tick = time.perf_counter()
-                self.runner.prefill(r, chunk)
+                try:
+                    self.runner.prefill(r, chunk)
+                except Exception as err:
+                    self._failed(r, err, failed)
+                    self.runner.release([r])
+                    continue
                 seconds += time.perf_counter() - tick
                 r.prefilled += len(chunk)
                 tokens += len(chunk)
                 budget = 0
         return joining, seconds, tokens
+
+    @staticmethod
+    def _failed(r: RequestState, err: Exception, failed: list[RequestState]) -> None:
+        logging.getLogger("onlinespec.engine").exception("request %s failed in a step; the others go on", r.id)
+        r.error = f"{type(err).__name__}: {err}"
+        failed.append(r)
 
     def _draft(self, rows: list[RequestState], n_joining: int) -> list[Proposal]:
         """Each proposer drafts for all its requests in one call (``rows``: the joining requests,
@@ -225,7 +266,14 @@ class SpeculativeEngine:
                                  with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive)
                       for i in members]
             tick = time.perf_counter()
-            for i, proposal in zip(members, proposer.propose(inputs)):
+            try:
+                drafted = proposer.propose(inputs)
+            except Exception:  # drafts are advice: these requests are verified without proposals this step
+                logging.getLogger("onlinespec.engine").exception("proposer %s failed; its requests go on undrafted",
+                                                                 getattr(proposer, "name", type(proposer).__name__))
+                self.draft_failures += 1
+                continue
+            for i, proposal in zip(members, drafted):
                 proposals[i] = trim(proposal, asks[i])  # never more than asked, whatever the proposer did
             seconds = (time.perf_counter() - tick) / max(asks[i] for i in members)
             old = self._draft_step_seconds.get(id(proposer))

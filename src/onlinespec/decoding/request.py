@@ -181,11 +181,12 @@ class RequestState:
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
     draft_state: Any = None  # the proposer's state for this request (Proposer.start)
-    prefilled: int = 0  # prompt tokens already in the target cache (chunked prefill)
+    prefilled: int = 0  # tokens of ``ids`` already in the target cache while it (re)fills (chunked prefill)
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
     embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)
     prompt_embedding: torch.Tensor | None = None  # [H], once the prompt is prefilled (see add_prompt_states)
+    error: str | None = None  # what failed this request alone inside a step (it is finished; the others go on)
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_ids)
@@ -198,7 +199,14 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.stop.finish_reason is not None
+        return self.stop.finish_reason is not None or self.error is not None
+
+    def recompute(self) -> None:
+        """Forget the target cache: the next step prefills ``ids`` (prompt and generated) again,
+        as vLLM recomputes a preempted request. Its text goes on as if nothing happened."""
+        self.prefilled = 0
+        if self.proposer is not None:
+            self.draft_state = self.proposer.start(self.ids)
 
     def add_prompt_states(self, states: torch.Tensor) -> None:
         """The target's post-norm hidden states of the prompt's last prefill chunk ([n, H], computed

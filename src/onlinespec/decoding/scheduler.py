@@ -3,11 +3,14 @@
 A request waits in a first-come queue until fewer than ``max_batch`` requests are running; it then
 joins at the next step (its prompt prefilled in chunks, :mod:`onlinespec.decoding.engine`) and
 leaves as soon as it finishes, so the next one takes its slot at once. ``submit`` may be called
-from any thread; ``step`` from one thread only (the engine's loop).
+from any thread; ``step`` from one thread only (the engine's loop). A step that raises is
+recovered once (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.recompute`); a second in
+a row is raised to the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +27,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self._lock = threading.Lock()
+        self.failed_steps = 0  # engine steps that raised in a row
 
     def submit(self, request: RequestState) -> RequestState:
         with self._lock:
@@ -52,7 +56,18 @@ class Scheduler:
             active = list(self.running)
         if not active:
             return [], None
-        report = self.engine.step(active)
+        try:
+            report = self.engine.step(active)
+            self.failed_steps = 0
+        except Exception:
+            self.failed_steps += 1
+            if self.failed_steps > 1:  # twice in a row: not one request's doing
+                raise
+            # a batched forward raised and cannot say whose fault it was: every request prefills
+            # its text again next step, each in a forward of its own, where a culprit fails alone
+            logging.getLogger("onlinespec.scheduler").exception("a step failed: its %d requests recompute", len(active))
+            self.engine.recompute(active)
+            return [], None
         with self._lock:
             self.running = [r for r in self.running if not r.finished]
         return active, report

@@ -99,6 +99,8 @@ class SpeculativeDecoder:
         emitted = ""
         while scheduler.has_work:
             scheduler.step()
+            if request.error is not None:
+                raise RequestFailed(f"the request failed: {request.error}", [self._generation(request)], [0])
             if not request.new_tokens and not request.finished:
                 continue  # a prompt chunk: nothing to show yet
             delta, emitted = text_delta(request, emitted)
@@ -134,8 +136,12 @@ class SpeculativeDecoder:
             for r in advanced:
                 if r.finished and out[index[id(r)]] is None:
                     out[index[id(r)]] = self._generation(r)
-                    if on_finish:
+                    if on_finish and r.error is None:
                         on_finish(index[id(r)], out[index[id(r)]])
+        failed = [i for i, r in enumerate(requests) if r.error is not None]
+        if failed:
+            raise RequestFailed(f"{len(failed)} of {len(requests)} requests failed (the others finished): prompt {failed[0]}: "
+                                f"{requests[failed[0]].error}", out, failed)
         return out
 
     def _generation(self, r: RequestState) -> Generation:
@@ -146,7 +152,16 @@ class SpeculativeDecoder:
         needs_tokenizer = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
         if needs_tokenizer and self.tokenizer is None:
             raise ValueError("this decoder has no tokenizer: pass token ids, or build it with one")
-        return encode_prompt(self.tokenizer if needs_tokenizer else None, prompt)
+        return encode_prompt(self.tokenizer if needs_tokenizer else None, prompt, self.engine.runner.vocab_size)
+
+
+class RequestFailed(RuntimeError):
+    """Requests that failed alone inside a step (their ``error``); ``generations`` holds every
+    request's generation (the failed ones as far as they got), ``failed`` their indices."""
+
+    def __init__(self, message: str, generations: list[Generation], failed: list[int]) -> None:
+        super().__init__(message)
+        self.generations, self.failed = generations, failed
 
 
 def text_delta(request: RequestState, emitted: str) -> tuple[str, str]:

@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from onlinespec.safety import PRIVATE_FILE, private_dir, redacted
+
 KILL_ENV = "ONLINESPEC_KILL_AT"
 
 
@@ -69,7 +71,7 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
 def file_lock(path: str | os.PathLike[str]):
     """Hold an exclusive ``flock`` on ``path`` (created if needed) for the ``with`` block:
     a read-check-write of a small file, across threads and processes."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -157,15 +159,16 @@ class OutDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "OutDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        private_dir(self.path.parent)  # an out-dir holds users' text: its owner alone reads it
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        os.fchmod(fd, PRIVATE_FILE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise OutDirBusy(f"{self.path.parent} is in use by another process ({self.holder()}): stop it, or give this "
                              "one another --out-dir; two processes on one folder would overwrite each other's records") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": " ".join(sys.argv)}
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": " ".join(redacted(sys.argv))}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd

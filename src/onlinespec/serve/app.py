@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from onlinespec.safety import same_key, shown
 from onlinespec.serve.core import Delta, Handle, NotFound, Overloaded, Served, ServeError, ServingCore
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 
@@ -99,7 +100,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
         if key is None:
             return
         given = request.headers.get("authorization", "")
-        if given != f"Bearer {key}":
+        if not same_key(given, f"Bearer {key}"):
             what = "admin key" if admin else "API key"
             raise Unauthorized(f"missing or wrong {what}: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
@@ -124,7 +125,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = parse(await body_of(request), ChatRequest if chat else CompletionRequest)
         if body.model != settings.model_name:
-            raise NotFound(f"model {body.model!r} is not served here: use {settings.model_name!r} (GET /v1/models)",
+            raise NotFound(f"model {shown(body.model)} is not served here: use {settings.model_name!r} (GET /v1/models)",
                            param="model", code="model_not_found")
         prompt = body.prompt() if chat else body.text()
         params, max_tokens = body.sampling(), body.limits()
@@ -140,6 +141,9 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
                                          request_id, max_tokens, notify, body.stream)
         shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name)
         headers = {"X-Request-Id": request_id}
+        if body.ignored_fields():  # unknown fields that change nothing: said, not silently dropped
+            names = (k if k.isascii() and k.isprintable() else ascii(k) for k in body.ignored_fields())
+            headers["X-Ignored-Fields"] = ", ".join(names)[:1000]
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(handle, wake, shape, usage), media_type="text/event-stream", headers=headers)

@@ -56,6 +56,7 @@ from onlinespec.content import ContentConfig
 from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
 from onlinespec.online.storage import EventLog, OutDirLock, kill_point
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
+from onlinespec.safety import check_label, shown
 from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
 
@@ -85,6 +86,7 @@ class CoreConfig:
     kernels: bool = True  # small-batch linear kernels when they measure faster
     max_batch: int = 8  # requests verified per step
     max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
+    max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
     request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
@@ -97,8 +99,8 @@ class CoreConfig:
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
-        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1:
-            raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0 and default_max_tokens >= 1 are required")
+        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1 or self.max_domains < 1:
+            raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if self.retention_days is not None and not self.retention_days > 0:
@@ -304,6 +306,7 @@ class ServingCore:
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
         self._routes: dict[str, Draft] = {}  # domain -> its draft, once routed
+        self._domains: set[str] = {"default"}  # every domain a request has named (at most config.max_domains)
         self._stopping = False
         self._served = 0
         self._recent_seconds = 1.0  # moving average of request seconds (Retry-After)
@@ -431,9 +434,10 @@ class ServingCore:
 
     def encode(self, prompt: Prompt) -> list[int]:
         try:
-            return encode_prompt(self.tokenizer, prompt)
+            return encode_prompt(self.tokenizer, prompt, min(self.engine.runner.vocab_size, len(self.tokenizer)))
         except (ValueError, TypeError) as err:
-            raise ServeError(str(err), param="messages" if isinstance(prompt, list) else "prompt") from None
+            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            raise ServeError(str(err), param="messages" if chat else "prompt") from None
         except Exception as err:  # a chat template that rejects the conversation (e.g. role order)
             raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
 
@@ -478,6 +482,7 @@ class ServingCore:
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
+        domain = self._domain(domain)
         ids = self.encode(prompt)
         params = params or SamplingParams()
         params = replace(params, max_new_tokens=self.max_new_tokens(len(ids), max_tokens))
@@ -501,6 +506,23 @@ class ServingCore:
         with self._wake:
             self._wake.notify()
         return handle
+
+    def _domain(self, domain: str) -> str:
+        """``domain`` if it is a label (:data:`onlinespec.safety.LABEL`) and within the server's
+        ``max_domains`` distinct ones: a client's strings become metrics labels and routes, so
+        both their shape and their number are bounded."""
+        try:
+            check_label(domain, "domain")
+        except ValueError as err:
+            raise ServeError(str(err), param="domain", code="invalid_domain") from None
+        with self._lock:
+            if domain not in self._domains:
+                if len(self._domains) >= self.config.max_domains:
+                    raise ServeError(f"domain {shown(domain)} is new and this server already serves {len(self._domains)} domains "
+                                     f"(its --max-domains): send one it knows ({', '.join(sorted(self._domains)[:8])}...) "
+                                     f"or leave domain out", param="domain", code="too_many_domains")
+                self._domains.add(domain)
+        return domain
 
     def _on_engine(self, fn: Callable):
         """Run ``fn`` on the engine thread between two steps and return its result (model work:
@@ -532,7 +554,7 @@ class ServingCore:
         if name in self.pool.drafts:
             return self.pool.drafts[name]
         offered = [*self.pool.drafts, *self.baselines]
-        raise NotFound(f"no draft {name!r}: this server offers {offered} (or leave draft out to be routed)", param="draft")
+        raise NotFound(f"no draft {shown(name)}: this server offers {offered} (or leave draft out to be routed)", param="draft")
 
     def cancel(self, handle: Handle) -> None:
         with self._lock:
@@ -570,7 +592,7 @@ class ServingCore:
             self._expire()
             try:
                 advanced, report = self.scheduler.step()
-            except Exception as err:  # fail the step's requests, never the service
+            except Exception as err:  # two failed steps in a row (Scheduler.step): fail their requests, never the service
                 logging.getLogger("onlinespec.serve").exception("a step failed")
                 self._reset(f"{type(err).__name__}: {err}")
                 continue
@@ -584,6 +606,9 @@ class ServingCore:
     def _advance(self, state: RequestState, now: float) -> None:
         handle = self._handles.get(state.id)
         if handle is None:  # cancelled while its step ran
+            return
+        if state.error is not None:  # failed alone in the engine (SpeculativeEngine.step)
+            self._fail(handle, Failed(f"the engine could not serve this request ({state.error}); the requests beside it went on"))
             return
         if not handle.routed and (state.prompt_embedding is not None or state.finished):
             try:
