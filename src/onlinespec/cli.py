@@ -243,6 +243,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
     "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
+    "shared_suffix": (Annotated[bool, typer.Option(help="one suffix index per draft for all tenants: more acceptance, but a client's proposals then reveal other clients' text (docs/reliability.md)")], CoreConfig.shared_suffix),
+    "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_source): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
     "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
     "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
@@ -262,7 +264,7 @@ def _core_config(o: dict) -> CoreConfig:
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
-                                         "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "request_timeout",
+                                         "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
@@ -294,7 +296,8 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="require 'Authorization: Bearer KEY' on /v1 routes", envvar="ONLINESPEC_API_KEY")] = None,
     admin_key: Annotated[Optional[str], typer.Option(help="enable the admin API, behind 'Authorization: Bearer KEY'", envvar="ONLINESPEC_ADMIN_KEY")] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the API key from this file (keeps it out of `ps`)")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="API keys, one per line (kept out of `ps`); each key is a tenant of its own")] = None,
+    tenant_header: Annotated[Optional[str], typer.Option(help="the tenant is this request header's value (default: the API key's)")] = None,
     admin_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the admin key from this file")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: the target spec's name)")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
@@ -328,28 +331,33 @@ def serve(
             raise typer.Exit(2)
 
     core = replace(core, static_baseline=static_baseline, log_text=log_text)
-    api_key, admin_key = _key(api_key, api_key_file, "--api-key"), _key(admin_key, admin_key_file, "--admin-key")
+    api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
+    if len(admin_keys) > 1:
+        console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
+        raise typer.Exit(2)
     private_files()
     name = served_model_name or model_name(core.target)
-    settings = ServerSettings(model_name=name, api_key=api_key, admin_key=admin_key, max_body_bytes=max_body_bytes,
-                              drain_seconds=drain_seconds)
+    settings = ServerSettings(model_name=name, api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
+                              tenant_header=tenant_header, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
     where = f", {replicas} replicas on Ray" if scale else ""
     console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
     _user_errors(lambda: run_server(core, out_dir, host, port, settings, scale))
 
 
-def _key(value: str | None, path: Path | None, option: str) -> str | None:
-    """A key from its file (``--api-key-file``), else from the option or its environment variable;
-    a key typed on the command line works but is visible to every user of the machine in ``ps``."""
+def _keys(value: str | None, path: Path | None, option: str) -> list[str]:
+    """Keys from their file (``--api-key-file``: one per line), else from the option or its
+    environment variable; a key typed on the command line works but is visible to every user of
+    the machine in ``ps``."""
     if path is not None:
-        value = _user_errors(lambda: path.read_text().strip())
-        if not value:
+        keys = [line.strip() for line in _user_errors(lambda: path.read_text()).splitlines() if line.strip()]
+        if not keys:
             console.print(f"[red]error:[/red] {path} is empty: write the key in it")
             raise typer.Exit(2)
-    elif any(a == option or a.startswith(f"{option}=") for a in sys.argv):
+        return keys
+    if any(a == option or a.startswith(f"{option}=") for a in sys.argv):
         env = "ONLINESPEC_API_KEY" if option == "--api-key" else "ONLINESPEC_ADMIN_KEY"
         console.print(f"[yellow]warning:[/yellow] {option} on the command line is visible to other users (ps): prefer {env} or {option}-file")
-    return value
+    return [value] if value else []
 
 
 def model_name(target: str) -> str:
@@ -396,7 +404,7 @@ def demo(
     write_queries_jsonl(out_dir / "stream.jsonl", queries)
     admin_key = secrets.token_hex(16)
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
-            "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens)]
+            "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens), "--speculation-details"]
     if replicas:
         args += ["--replicas", str(replicas)]
     title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"

@@ -9,6 +9,7 @@ core, the lock file), so that each rule lives in one place.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import hmac
 import os
 import re
@@ -73,6 +74,11 @@ def command_line(argv: Iterable[str]) -> str:
 def same_key(given: str, expected: str) -> bool:
     """Whether two keys are equal, in time that does not depend on where they first differ."""
     return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def key_tenant(key: str) -> str:
+    """The tenant an API key stands for: a name derived from it that does not reveal it."""
+    return f"key-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def private_dir(path: str | Path) -> Path:

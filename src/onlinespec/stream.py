@@ -167,7 +167,7 @@ def run_stream(
     """Serve ``queries`` through a serving core in this process (``onlinespec online``)."""
     say = on_status or (lambda text: None)
     say("loading the target and the draft, measuring the target's cost curve")
-    core_config = config.core
+    core_config = replace(config.core, speculation_details=True)  # the operator's own stream: its report shows the drafters
     if config.compare_every and not core_config.static_baseline:
         core_config = replace(core_config, static_baseline=True)
     core = ServingCore(core_config, out_dir)

@@ -11,7 +11,7 @@ from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.proposers.base import PerRequestProposer, Proposal
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
-from onlinespec.decoding.speculative import RoundTrace, SpeculativeDecoder
+from onlinespec.decoding.speculative import RequestFailed, RoundTrace, SpeculativeDecoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -530,7 +530,7 @@ def test_non_finite_target_logits_are_an_error_never_a_token(tiny_target):
         tiny_target.lm_head.weight[3, 0] = float("nan")
     try:
         for params in (SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)):
-            with pytest.raises(FloatingPointError, match="NaN or \\+inf"):
+            with pytest.raises(RequestFailed, match="FloatingPointError: the target's logits hold NaN or \\+inf"):
                 decoder.generate([1, 2, 3], params)
     finally:
         with torch.no_grad():

@@ -199,3 +199,25 @@ def test_keys_come_from_a_file_or_the_environment_and_are_checked(launch, tmp_pa
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert "s3cret" not in (tmp_path / "run" / "LOCK").read_text()
+
+
+def test_tenants_are_separated_by_api_key(launch, tmp_path):
+    """Two API keys in the key file, two tenants: what one tenant's requests taught the suffix
+    index drafts only that tenant's requests; the response carries no per-drafter figures."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-a\nkey-of-b\n")
+    server = launch(tmp_path / "run", "--api-key-file", str(keys), "--draft", "suffix", "-k", "4")
+    question = {"model": httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer key-of-a"}).json()["data"][0]["id"],
+                "messages": [{"role": "user", "content": "Explain what a cache is, briefly."}], "max_tokens": 24, "temperature": 0}
+
+    def ask(key: str) -> dict:
+        response = httpx.post(server.url + CHAT, json=question, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    first, again, other = ask("key-of-a"), ask("key-of-a"), ask("key-of-b")
+    spec = lambda r: r["metrics"]["speculative_decoding"]  # noqa: E731
+    assert "by_source" not in spec(again)
+    assert spec(again)["num_accepted_tokens"] > spec(first)["num_accepted_tokens"], "tenant A is drafted from its own first answer"
+    assert spec(other)["num_accepted_tokens"] == spec(first)["num_accepted_tokens"], "tenant B sees nothing of A's answer"
+    assert other["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]

@@ -1,8 +1,11 @@
 """A serving core whose draft has a suffix index learns from every request it serves: the same
 question again is drafted from the first answer (and answered identically), an opted-out request
-is never indexed, the index survives a restart, and a purge removes a request from it."""
+is never indexed, the index survives a restart, and a purge removes a request from it. A second
+tenant learns nothing from the first's text, unless the index is shared."""
 
 from __future__ import annotations
+
+import pytest
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
@@ -13,8 +16,9 @@ from onlinespec.serve.core import CoreConfig, ServingCore
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def start(folder, out_dir) -> ServingCore:
-    core = ServingCore(CoreConfig(target=str(folder), draft="suffix", k=4, kernels=False, adaptive_k=False), out_dir)
+def start(folder, out_dir, **options) -> ServingCore:
+    options = {"speculation_details": True, **options}
+    core = ServingCore(CoreConfig(target=str(folder), draft="suffix", k=4, kernels=False, adaptive_k=False, **options), out_dir)
     core.load()
     return core
 
@@ -91,3 +95,29 @@ def test_an_unreadable_index_is_set_aside_and_another_tokenizers_stops_start_up(
     other.save(saved)
     with pytest.raises(LoadFailed, match="another tokenizer"):
         start(tiny_target_folder, tmp_path / "run")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_second_tenant_learns_nothing_from_the_first_tenants_text(tiny_target_folder, tmp_path, shared):
+    """Tenant A asks a question twice (the second time drafted from its first answer); tenant B
+    then asks it: with tenants separated (the default) B's response body shows no proposal from
+    the suffix index, no acceptance beyond what its own text gives, and an answer identical to the
+    target alone's; with ``shared_suffix`` B is drafted from A's answer (what separation prevents).
+    Without ``speculation_details`` the response does not say which drafter proposed what."""
+    question = [{"role": "user", "content": "Explain what a cache is, briefly."}]
+    core = start(tiny_target_folder, tmp_path / "run", shared_suffix=shared)
+    try:
+        core.submit(question, GREEDY, max_tokens=24, tenant="key-a").result()
+        again = core.submit(question, GREEDY, max_tokens=24, tenant="key-a").result()
+        other = core.submit(question, GREEDY, max_tokens=24, tenant="key-b").result()
+    finally:
+        core.shutdown()
+    suffix_hits = lambda served: served.metrics()["speculative_decoding"]["by_source"].get("suffix", {}).get("accepted_tokens", 0)  # noqa: E731
+    assert suffix_hits(again) > 0, "the test has power: a tenant's own repeat is drafted from the index"
+    assert other.text == again.text
+    if shared:
+        assert suffix_hits(other) > 0
+    else:
+        assert suffix_hits(other) == 0 and other.stats.accepted < again.stats.accepted
+    details_off = type(other)(**{**other.__dict__, "details": False}).metrics()["speculative_decoding"]
+    assert "by_source" not in details_off

@@ -263,7 +263,8 @@ class SpeculativeEngine:
         for members in groups.values():
             proposer = rows[members[0]].proposer
             inputs = [DraftInput(rows[i].ids, asks[i], rows[i].params, rows[i].generator, rows[i].draft_state,
-                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive)
+                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive,
+                                 tenant=rows[i].tenant)
                       for i in members]
             tick = time.perf_counter()
             try:

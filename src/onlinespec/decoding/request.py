@@ -187,6 +187,7 @@ class RequestState:
     embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)
     prompt_embedding: torch.Tensor | None = None  # [H], once the prompt is prefilled (see add_prompt_states)
     error: str | None = None  # what failed this request alone inside a step (it is finished; the others go on)
+    tenant: str = ""  # whose earlier requests its suffix index drafts from ("": the shared ones)
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_ids)

@@ -4,6 +4,8 @@ trainers, so it lives below all of them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -28,3 +30,10 @@ class DistillRecord:
 
     def __len__(self) -> int:
         return len(self.positions)
+
+    def digest(self) -> str:
+        """What this record holds, as a short hash (its request id, tokens, positions and domain):
+        a record stored twice (a replica's retry) is known by its content, never by a client's
+        header alone (two requests sent with one ``X-Request-Id`` are two records)."""
+        body = json.dumps([self.request_id, self.token_ids, self.positions, self.domain, self.prompt_len])
+        return hashlib.sha256(body.encode()).hexdigest()[:20]

@@ -301,19 +301,20 @@ class DraftPool:
                     log.error("draft %s: its suffix index could not be saved: %s", draft.name, err)
 
     def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True,
-                route: Route | None = None) -> bool:
+                route: Route | None = None, tenant: str = "") -> bool:
         """Record a served request with its draft's learner (durable when this returns; whether
         every record was stored); then, if the slot is free, start the update that has waited
         longest for it (first due, first served: none waits for ever). ``route``: the request was
         routed by content (``draft`` is its home): its records are scored for every draft, and
-        its alpha feeds its cluster's drift detector."""
+        its alpha feeds its cluster's drift detector. ``tenant``: whose suffix-index lookups may
+        find this request ("": everyone's)."""
         if draft.learner is None and draft.suffix is None:
             return False
         if not train:
             self.opted_out += 1
             return False
         if draft.suffix is not None:
-            draft.suffix.add(generation.prompt_ids + generation.token_ids, request_id)
+            draft.suffix.add(generation.prompt_ids + generation.token_ids, request_id, tenant=tenant)
         if draft.learner is None:
             return False
         if route is None:

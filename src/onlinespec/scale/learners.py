@@ -94,7 +94,7 @@ class LearnerService:
         draft = self.pool.open(name)
         with self._seen_lock:
             if name not in self._seen:
-                self._seen[name] = OrderedDict.fromkeys(r.request_id for r in draft.learner.buffer.records())
+                self._seen[name] = OrderedDict.fromkeys(r.digest() for r in draft.learner.buffer.records())
         return draft
 
     def _housekeeping(self) -> None:
@@ -125,10 +125,11 @@ class LearnerService:
         return self.state(self._open(name).name)
 
     def store(self, name: str, records: list, new_tokens: int) -> dict:
-        """Store a served request's records durably (a request already stored is skipped) and
-        start the update due longest when the slot is free; whether they were all stored."""
+        """Store a served request's records durably (records already stored, the same content
+        again, are skipped) and start the update due longest when the slot is free; whether
+        they were all stored (on the learner's disk) when this returns."""
         self._open(name)
-        ids = {r.request_id for r in records if r.request_id}
+        ids = {r.digest() for r in records}
         with self._seen_lock:
             seen = self._seen[name]
             if ids and all(i in seen for i in ids):
@@ -174,10 +175,9 @@ class LearnerService:
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         removed = self.pool.purge(request_id, before)
-        if request_id is not None:
-            with self._seen_lock:
-                for seen in self._seen.values():
-                    seen.pop(request_id, None)
+        with self._seen_lock:  # no digest of a purged record is kept either
+            for name in self._seen:
+                self._seen[name] = OrderedDict.fromkeys(r.digest() for r in self.pool.drafts[name].learner.buffer.records())
         return removed
 
     def governance(self) -> dict:

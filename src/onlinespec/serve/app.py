@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from onlinespec.safety import same_key, shown
+from onlinespec.safety import check_label, key_tenant, same_key, shown
 from onlinespec.serve.core import Delta, Handle, NotFound, Overloaded, Served, ServeError, ServingCore
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 
@@ -36,7 +36,9 @@ POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) c
 @dataclass
 class ServerSettings:
     model_name: str = "default"  # the `model` clients send
-    api_key: str | None = None  # Bearer key for /v1 routes (None: open)
+    api_key: str | None = None  # Bearer key for /v1 routes (None: open, unless api_keys)
+    api_keys: tuple[str, ...] = ()  # several keys: each is a tenant of its own
+    tenant_header: str | None = None  # the tenant is this header's value (else the API key's, else "default")
     admin_key: str | None = None  # Bearer key for /admin routes (None: the admin API is off)
     max_body_bytes: int = 1 << 20
     drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may finish
@@ -94,16 +96,29 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
         error.status, error.kind = 500, "internal_error"
         return error_response(error)
 
+    keys = tuple(dict.fromkeys([*([settings.api_key] if settings.api_key else []), *settings.api_keys]))
+
     def authorize(request: Request, key: str | None, admin: bool = False) -> None:
         if admin and key is None:
             raise Forbidden("the admin API is off: start the server with --admin-key")
         if key is None:
             return
+        if not same_key(request.headers.get("authorization", ""), f"Bearer {key}"):
+            raise Unauthorized("missing or wrong admin key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def tenant_of(request: Request) -> str:
+        """Check the API key; return the request's tenant (docs/serve.md, "Tenants")."""
         given = request.headers.get("authorization", "")
-        if not same_key(given, f"Bearer {key}"):
-            what = "admin key" if admin else "API key"
-            raise Unauthorized(f"missing or wrong {what}: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        matched = [key for key in keys if same_key(given, f"Bearer {key}")]  # every key compared: no early exit
+        if keys and not matched:
+            raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if settings.tenant_header:
+            value = request.headers.get(settings.tenant_header)
+            try:
+                return check_label(value, f"the {settings.tenant_header} header") if value is not None else "default"
+            except ValueError as err:
+                raise ServeError(str(err), param=settings.tenant_header, code="invalid_tenant") from None
+        return key_tenant(matched[0]) if matched else "default"
 
     async def body_of(request: Request) -> bytes:
         limit = settings.max_body_bytes
@@ -121,8 +136,10 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
     # ---- inference ---------------------------------------------------------------------------
 
     async def complete(request: Request, chat: bool):
-        authorize(request, settings.api_key)
+        tenant = tenant_of(request)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if len(request_id) > 128 or not request_id.isprintable():
+            raise ServeError("X-Request-Id: give at most 128 printable characters", param="X-Request-Id", code="invalid_request_id")
         body = parse(await body_of(request), ChatRequest if chat else CompletionRequest)
         if body.model != settings.model_name:
             raise NotFound(f"model {shown(body.model)} is not served here: use {settings.model_name!r} (GET /v1/models)",
@@ -138,7 +155,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
                 pass
 
         handle = await asyncio.to_thread(core.submit, prompt, params, body.domain or "default", body.train, body.draft,
-                                         request_id, max_tokens, notify, body.stream)
+                                         request_id, max_tokens, notify, body.stream, tenant)
         shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name)
         headers = {"X-Request-Id": request_id}
         if body.ignored_fields():  # unknown fields that change nothing: said, not silently dropped
@@ -201,7 +218,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request, settings.api_key)
+        tenant_of(request)
         card = {"id": settings.model_name, "object": "model", "created": int(core.started_at), "owned_by": "onlinespec",
                 "max_model_len": getattr(core, "context", None)}
         return {"object": "list", "data": [card]}
@@ -218,11 +235,13 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
     async def ready():
         if not core.ready:
             return JSONResponse({"status": core.status, "error": core.error}, status_code=503)
-        return {"status": "ready", "model": settings.model_name, "draft": core.config.draft, **core.learning()}
+        learning = await asyncio.to_thread(core.learning)  # a cluster asks its actors: never on the event loop
+        return {"status": "ready", "model": settings.model_name, "draft": core.config.draft, **learning}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(core.metrics.text(), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(core.metrics.text)  # a cluster gathers its replicas': never on the event loop
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ---- admin -----------------------------------------------------------------------------------
 

@@ -87,6 +87,8 @@ class CoreConfig:
     max_batch: int = 8  # requests verified per step
     max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
     max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
+    shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
+    speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
     request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
@@ -186,6 +188,7 @@ class Served:
     cluster: int | None = None  # content routing: the cluster it was served as
     home: str | None = None  # content routing: the draft that learnt from it
     replica: str | None = None  # the serving replica (onlinespec.scale), when there are several
+    details: bool = False  # metrics name which drafter proposed what (CoreConfig.speculation_details)
 
     @property
     def completion_tokens(self) -> int:
@@ -196,6 +199,8 @@ class Served:
         with the draft and version that served it, and its timings."""
         spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
                 "draft_versions": self.draft_versions}
+        if not self.details:  # which tokens the suffix index proposed says what earlier requests held
+            spec.pop("by_source")
         routing = {"cluster": self.cluster, "learning_draft": self.home} if self.cluster is not None else {}
         if self.replica is not None:
             routing["replica"] = self.replica
@@ -467,6 +472,7 @@ class ServingCore:
         max_tokens: int | None = None,
         notify: Callable[[], None] | None = None,
         stream: bool = False,
+        tenant: str = "",
     ) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
@@ -477,7 +483,9 @@ class ServingCore:
         name) instead of the router's choice; such requests train nothing unless the draft is
         the router's own. ``train=False``: never stored, never trained on. ``stream``: the
         handle gets the new text after every step (decoding it costs the engine thread time,
-        so only streams ask for it).
+        so only streams ask for it). ``tenant``: who sent it (the API key's or a header's name,
+        :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
+        only, unless the server shares the index (``CoreConfig.shared_suffix``).
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
@@ -497,7 +505,7 @@ class ServingCore:
                                  f"retry in {retry} s", retry)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None,
-                                 embed=by_content)
+                                 embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
@@ -707,7 +715,8 @@ class ServingCore:
         if home.learner is not None or home.suffix is not None:
             failures = home.learner.write_failures if home.learner is not None else 0
             try:  # durable when it returns; a record a disk write failed is skipped and counted
-                recorded = self.pool.observe(home, generation, handle.domain, handle.request_id, train=handle.train, route=route)
+                recorded = self.pool.observe(home, generation, handle.domain, handle.request_id, train=handle.train, route=route,
+                                             tenant=state.tenant)
             except Exception as err:
                 logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
             if home.learner is not None and home.learner.write_failures > failures:
@@ -718,7 +727,8 @@ class ServingCore:
         reason = "length" if stats.finish_reason == "length" else "stop"
         served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
                         draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
-                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None, self.replica)
+                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None, self.replica,
+                        self.config.speculation_details)
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
         self.metrics.serving(draft.name, draft.version)
         if home.suffix is not None:

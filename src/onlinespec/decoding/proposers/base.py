@@ -51,6 +51,7 @@ class DraftInput:
     # The request's draft acceptance statistics (an AdaptiveK; None: fixed k): a proposer that
     # can draft several ways may pick, per round, the one expected to be accepted furthest.
     adaptive: Any = None
+    tenant: str = ""  # whose earlier requests a suffix index may draft from (SuffixIndex.match)
 
 
 class Proposer(Protocol):

@@ -32,6 +32,12 @@ proposer of ``k <= 8`` tokens can use.
 
 Privacy: a document is kept with its request id and arrival time, so a purge or retention removes
 it (:meth:`purge`, :meth:`expire`); the caller never adds a request that opted out of training.
+Tenants: a document belongs to a tenant, and the anchors are keyed by tenant, so a lookup for one
+tenant only ever finds that tenant's documents (a match extended backwards or forwards stops at
+the separator around its document). Without it, a request's proposals, and so its acceptance
+figures and its speed, would tell a client which of its tokens other clients had sent: a
+membership oracle (docs/reliability.md, "Tenants"). Every document of tenant ``""`` is shared by
+all who look up ``""``.
 Thread-safe: one lock around every read and write (a lookup takes under 0.1 ms).
 """
 
@@ -66,6 +72,7 @@ class _Doc:
     length: int
     request_id: str
     created_at: float
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,16 +125,16 @@ class SuffixIndex:
 
     # ---- writes --------------------------------------------------------------------------
 
-    def add(self, tokens: Sequence[int], request_id: str = "", created_at: float | None = None) -> None:
-        """Index one request's tokens (prompt + verified output); the oldest requests go when the
-        index is over ``max_tokens``."""
+    def add(self, tokens: Sequence[int], request_id: str = "", created_at: float | None = None, tenant: str = "") -> None:
+        """Index one request's tokens (prompt + verified output), found only by lookups for its
+        ``tenant``; the oldest requests go when the index is over ``max_tokens``."""
         doc = np.asarray(tokens, dtype=np.int32)
         if doc.size < ANCHOR + 1:
             return
         if doc.size > self.max_tokens:
             doc = doc[-self.max_tokens:]
         with self._lock:
-            self._append(doc, request_id, self.clock() if created_at is None else created_at)
+            self._append(doc, request_id, self.clock() if created_at is None else created_at, tenant)
             self.counts["added"] += 1
             while self.tokens > self.max_tokens:
                 self._drop_oldest("evicted")
@@ -138,16 +145,16 @@ class SuffixIndex:
         self._generation += 1
         self.dirty = True
 
-    def _append(self, doc: np.ndarray, request_id: str, created_at: float) -> None:
+    def _append(self, doc: np.ndarray, request_id: str, created_at: float, tenant: str = "") -> None:
         start = self._end
-        self._docs[start] = _Doc(start, int(doc.size), request_id, created_at)
+        self._docs[start] = _Doc(start, int(doc.size), request_id, created_at, tenant)
         self._chunks.append(np.append(doc, np.int32(SEPARATOR)))
         self._end += doc.size + 1
         self._live += int(doc.size)
         ids = doc.tolist()
         anchors = self._anchors
         for i in range(ANCHOR, len(ids)):  # the position after each anchor occurrence
-            anchors.setdefault((ids[i - 2], ids[i - 1]), array("q")).append(start + i)
+            anchors.setdefault((tenant, ids[i - 2], ids[i - 1]), array("q")).append(start + i)
 
     def _drop_oldest(self, why: str) -> None:
         _, doc = self._docs.popitem(last=False)
@@ -169,7 +176,7 @@ class SuffixIndex:
         kept = [(corpus[d.start - offset: d.start - offset + d.length], d) for d in self._docs.values()]
         self._clear()
         for tokens, d in kept:
-            self._append(tokens, d.request_id, d.created_at)
+            self._append(tokens, d.request_id, d.created_at, d.tenant)
 
     def _flat(self) -> np.ndarray:
         """The corpus from ``_base`` on, pending chunks folded in."""
@@ -212,13 +219,14 @@ class SuffixIndex:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def match(self, ids: Sequence[int], k: int) -> SuffixMatch | None:
-        """Up to ``k`` tokens that most often followed the longest earlier occurrence of the end of
-        ``ids``, with their confidences; None when the last two tokens never occurred."""
+    def match(self, ids: Sequence[int], k: int, tenant: str = "") -> SuffixMatch | None:
+        """Up to ``k`` tokens that most often followed the longest earlier occurrence, among
+        ``tenant``'s documents, of the end of ``ids``, with their confidences; None when the last
+        two tokens never occurred there."""
         if k <= 0 or len(ids) < ANCHOR:
             return None
         with self._lock:
-            positions = self._anchors.get((int(ids[-2]), int(ids[-1])))
+            positions = self._anchors.get((tenant, int(ids[-2]), int(ids[-1])))
             if not positions:
                 return None
             corpus = self._flat()
@@ -281,7 +289,7 @@ class SuffixIndex:
                     "created_at": np.asarray([d.created_at for d in docs], dtype=np.float64),
                 }
                 meta = {"format": FORMAT, "tokenizer": self.identity, "request_ids": json.dumps([d.request_id for d in docs]),
-                        "counts": json.dumps(self.counts)}
+                        "tenants": json.dumps([d.tenant for d in docs]), "counts": json.dumps(self.counts)}
                 generation = self._generation
             atomic_write(path, save(tensors, metadata=meta))  # a failed write leaves `dirty` set: the next save retries
             with self._lock:
@@ -302,13 +310,14 @@ class SuffixIndex:
                                        "with the same target")
             tokens, lengths, created = f.get_tensor("tokens"), f.get_tensor("lengths"), f.get_tensor("created_at")
         request_ids = json.loads(meta["request_ids"])
-        if not (len(request_ids) == len(lengths) == len(created) and int(lengths.sum()) == len(tokens) and (lengths >= 0).all()):
+        tenants = json.loads(meta.get("tenants", "null")) or [""] * len(request_ids)  # saved before tenants: all shared
+        if not (len(request_ids) == len(lengths) == len(created) == len(tenants) and int(lengths.sum()) == len(tokens) and (lengths >= 0).all()):
             raise ValueError(f"{path}: its documents do not add up (lengths, ids, times and tokens disagree)")
         with self._lock:
             self._clear()
             at = 0
-            for length, request_id, when in zip(lengths.tolist(), request_ids, created.tolist()):
-                self._append(tokens[at: at + length][-self.max_tokens:], request_id, when)
+            for length, request_id, when, tenant in zip(lengths.tolist(), request_ids, created.tolist(), tenants):
+                self._append(tokens[at: at + length][-self.max_tokens:], request_id, when, tenant)
                 at += length
             self.counts.update(json.loads(meta.get("counts", "{}")))
             while self.tokens > self.max_tokens:
@@ -339,7 +348,7 @@ def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int,
     if copied:
         return Proposal(tokens=copied, source="ngram")
     if index is not None and not d.params.reproducible:  # a seeded request drafts from its own text only
-        found = index.match(d.ids, d.k)
+        found = index.match(d.ids, d.k, d.tenant)
         if found is not None and found.match_length >= min_match:
             return Proposal(tokens=found.tokens, confidences=found.confidences, source="suffix")
     return None
