@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs one worker per core), each worker gets cores of its
+    own: its torch threads, its llama.cpp threads (which follow the affinity) and the servers it
+    starts stay on them, so two workers never fight over one core (spinning llama.cpp threads
+    on a shared core run many times slower) and a test measures what it would alone on a
+    machine that size."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if worker and count > 1 and len(cores) >= count:
+        mine = cores[int(worker.removeprefix("gw")) % count:: count]
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
 
 
 def build_tiny_llama(

@@ -44,7 +44,7 @@ def test_bench_reports_the_bad_line(tmp_path):
     prompts.write_text('{"prompt": "fine"}\n{"promt": "typo"}\n')
     result = runner.invoke(app, ["bench", "--prompts", str(prompts), "--json", str(tmp_path / "o.json")])
     assert result.exit_code == 2
-    assert "bad.jsonl:2" in result.output
+    assert "bad.jsonl:2" in result.output.replace("\n", "")  # rich wraps a long path
     assert not (tmp_path / "o.json").exists()
 
 
@@ -81,7 +81,7 @@ def test_online_serves_a_stream_learns_and_reports(tmp_path):
     out_json, out_dir = tmp_path / "online.json", tmp_path / "run"
     result = runner.invoke(app, ["online", "--stream", str(stream), "--json", str(out_json), "--out-dir", str(out_dir),
                                  "--max-new-tokens", "8", "--update-interval", "2", "--steps-per-update", "2",
-                                 "--positions", "verified"])
+                                 "--positions", "verified", "--priority", "normal"])  # nice 19 on one busy core: no update runs
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
     rows = data["requests"]

@@ -2,7 +2,8 @@
 serves ``n`` requests one after another and prints one JSON line per answer, once the client
 has it (its training record is durable by then: an acknowledged record). Each update runs to
 its end before the next request, so the n-th publish comes at a known point of the run. ``ONLINESPEC_KILL_AT``
-kills it at a named point; ``FAULT_FSIZE`` caps the size of any file it writes from the first
+kills it at a named point, its hits counted from the first acknowledged request on (so every case
+has at least one acknowledged record to lose); ``FAULT_FSIZE`` caps the size of any file it writes from the first
 request on (``RLIMIT_FSIZE``: a disk that fills up while serving)."""
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import resource
 import signal
 import sys
 
+KILL_AT = os.environ.pop("ONLINESPEC_KILL_AT", "")  # before onlinespec reads it: armed after the first answer
+
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.storage import arm_kill_points
 from onlinespec.serve.core import CoreConfig, ServingCore
 
 
@@ -44,6 +48,8 @@ def main() -> None:
         served = core.submit(prompt(i), greedy, domain="code", request_id=f"r{i}", max_tokens=6).result()
         print(json.dumps({"id": served.request_id, "recorded": served.recorded, "version": served.draft_version}), flush=True)
         core.pool.wait()  # the update this request made due runs now: one publish every 2 requests, on any machine
+        if i == 0:
+            arm_kill_points(KILL_AT)
     core.pool.wait(drain=True)
     print("DONE " + json.dumps({"governance": core.governance(), "drafts": core.drafts()}), flush=True)
     core.shutdown(5)

@@ -80,3 +80,23 @@ def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
     assert "MemoryError" in learner.failures[0] and learner.registry.versions() == ["v0001"]
     assert core.metrics.registry.get_sample_value("onlinespec:learner_updates_total", {"draft": "code", "outcome": "failed"}) == 1
     assert core.submit("z =", params, domain="code", max_tokens=8).result().completion_tokens == 8
+
+
+def test_housekeeping_that_raises_is_counted_on_metrics_and_goes_on(core):
+    tick, calls = core.pool.tick, []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OSError("injected: the disk went away for a moment")
+        return tick()
+
+    core.pool.tick = flaky
+    try:
+        deadline = time.monotonic() + 10
+        while len(calls) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        core.pool.tick = tick
+    assert len(calls) >= 4, "housekeeping stopped after its first failure"
+    assert core.metrics.registry.get_sample_value("onlinespec:housekeeping_failures_total") == 2

@@ -104,17 +104,31 @@ def drop_events(path: str | os.PathLike[str], request_id: str | None = None, bef
 
 class EventLog:
     """A process's JSON-lines event log (``events.jsonl``), appended to from any thread. A write
-    that fails (a full disk) loses the line, is counted and logged once: the caller goes on."""
+    that fails (a full disk) loses the line, is counted and logged once: the caller goes on.
 
-    def __init__(self, path: str | os.PathLike[str], retention_seconds: float | None = None) -> None:
+    Rotation: past ``max_bytes``, or ``max_age`` seconds after the file was started, the log
+    becomes ``events.1.jsonl`` (the older ones shift up) and a new one starts; at most ``keep``
+    old files are kept, and with ``retention_seconds`` an old file last written before the
+    retention cut-off goes. A purge (:meth:`drop`) reaches every file."""
+
+    def __init__(self, path: str | os.PathLike[str], retention_seconds: float | None = None,
+                 max_bytes: int = 64 << 20, max_age: float = 86_400.0, keep: int = 4) -> None:
         """``retention_seconds``: lines older than this go first (on open)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if retention_seconds is not None:
-            drop_events(self.path, before=time.time() - retention_seconds)
+        self.retention_seconds, self.max_bytes, self.max_age, self.keep = retention_seconds, max_bytes, max_age, keep
         self.failures = 0
         self._lock = threading.Lock()
+        if retention_seconds is not None:
+            for file in self.files():
+                drop_events(file, before=time.time() - retention_seconds)
         self._file = open(self.path, "a")
+        self._started = time.time()
+
+    def files(self) -> list[Path]:
+        """The current log and its rotated predecessors that exist, newest first."""
+        rotated = (self.path.with_name(f"{self.path.stem}.{i}{self.path.suffix}") for i in range(1, self.keep + 1))
+        return [p for p in (self.path, *rotated) if p.exists()]
 
     def write(self, event: dict) -> dict:
         """Append ``event`` with its time (now, unless it has one); the line written."""
@@ -124,18 +138,36 @@ class EventLog:
                 try:
                     self._file.write(json.dumps(event) + "\n")
                     self._file.flush()
+                    if self._file.tell() > self.max_bytes or time.time() - self._started > self.max_age:
+                        self._rotate()
                 except OSError as err:
                     self.failures += 1
                     if self.failures == 1:
                         logging.getLogger("onlinespec.serve").error("the event log %s could not be written (%s); serving goes on", self.path, err)
         return event
 
+    def _rotate(self) -> None:
+        self._file.close()
+        name = lambda i: self.path.with_name(f"{self.path.stem}.{i}{self.path.suffix}")  # noqa: E731
+        name(self.keep).unlink(missing_ok=True)
+        for i in range(self.keep - 1, 0, -1):
+            if name(i).exists():
+                name(i).rename(name(i + 1))
+        self.path.rename(name(1))
+        if self.retention_seconds is not None:
+            cutoff = time.time() - self.retention_seconds
+            for old in self.files()[1:]:
+                if old.stat().st_mtime < cutoff:
+                    old.unlink(missing_ok=True)
+        self._file = open(self.path, "a")
+        self._started = time.time()
+
     def drop(self, request_id: str | None = None, before: float | None = None) -> int:
-        """:func:`drop_events` on this log while it is open (a purge)."""
+        """:func:`drop_events` on every file of this log while it is open (a purge)."""
         with self._lock:
             self._file.close()
             try:
-                return drop_events(self.path, request_id, before)
+                return sum(drop_events(file, request_id, before) for file in self.files())
             finally:
                 self._file = open(self.path, "a")
 
@@ -196,16 +228,21 @@ class OutDirLock:
         self.release()
 
 
-def _kill_plan() -> dict[str, int]:
-    plan = {}
-    for item in filter(None, os.environ.get(KILL_ENV, "").split(",")):
-        name, _, count = item.partition(":")
-        plan[name] = int(count or 1)
-    return plan
-
-
-_PLAN = _kill_plan()
+_PLAN: dict[str, int] = {}
 _HITS: dict[str, int] = {}
+
+
+def arm_kill_points(spec: str) -> None:
+    """Replace the kill plan with ``spec`` (as ``ONLINESPEC_KILL_AT`` writes it), hits counted from
+    now: the fault suite arms it after a first acknowledged request, so no case is vacuous."""
+    _PLAN.clear()
+    _HITS.clear()
+    for item in filter(None, spec.split(",")):
+        name, _, count = item.partition(":")
+        _PLAN[name] = int(count or 1)
+
+
+arm_kill_points(os.environ.get(KILL_ENV, ""))
 
 
 def kill_point(name: str) -> None:

@@ -85,6 +85,7 @@ class LearnerService:
             if group_of(name, groups) == group:
                 self._open(name)
         self._stopping = threading.Event()
+        self.housekeeping_failures = 0
         threading.Thread(target=self._housekeeping, name="onlinespec-learner-housekeeping", daemon=True).start()
         self._event({"event": "learner_actor_start", "group": group, "pid": os.getpid(), "drafts": sorted(self.pool.drafts)})
 
@@ -100,7 +101,11 @@ class LearnerService:
     def _housekeeping(self) -> None:
         torch.set_num_threads(1)
         while not self._stopping.wait(TICK_SECONDS):
-            self.pool.tick()  # retention, and a CURRENT another process changed
+            try:
+                self.pool.tick()  # retention, and a CURRENT another process changed
+            except Exception:  # it runs again next tick
+                self.housekeeping_failures += 1
+                logging.getLogger("onlinespec.scale").exception("learner housekeeping failed; it runs again in %s s", TICK_SECONDS)
 
     def _event(self, event: dict) -> None:
         event = self.events.write({**event, "learner_group": self.group})

@@ -570,6 +570,8 @@ class ServingCore:
                 return
         self.scheduler.cancel(handle.state)
         self._release(handle)
+        self.metrics.running.set(len(self.scheduler.running))  # no step may come to update it
+        self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.failures.labels("cancelled").inc()
         self.event({"event": "cancelled", "id": handle.request_id, "draft": handle.draft.name,
                     "new_tokens": len(handle.state.stop.generated)})
@@ -580,6 +582,8 @@ class ServingCore:
                 return
         self.scheduler.cancel(handle.state)
         self._release(handle)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.failures.labels(error.kind).inc()
         self.event({"event": "failed", "id": handle.request_id, "draft": handle.draft.name, "error": error.message})
         handle.emit(error)
@@ -699,7 +703,12 @@ class ServingCore:
         torch.set_num_threads(1)
         while not self._stopping:
             time.sleep(TICK_SECONDS)
-            self.pool.tick()
+            try:
+                self.pool.tick()
+            except Exception:  # retention runs again next tick; the failure is on /metrics
+                self.metrics.housekeeping_failures.inc()
+                logging.getLogger("onlinespec.serve").exception("housekeeping failed (retention, a CURRENT from another process); "
+                                                                "it runs again in %s s", TICK_SECONDS)
 
     def _complete(self, handle: Handle) -> None:
         try:

@@ -46,6 +46,8 @@ class ServeMetrics:
         self.suffix_tokens = Gauge(name("suffix_index_tokens"), "Tokens in the draft's suffix index of earlier requests", ("draft",), registry=r)
         self.record_failures = Counter(name("buffer_record_write_failures"), "Records a failed disk write skipped (serving went on)",
                                        ("draft",), registry=r)
+        self.housekeeping_failures = Counter(name("housekeeping_failures"), "Housekeeping ticks that raised (retention, "
+                                             "versions another process published): it goes on", registry=r)
         self.opted_out = Counter(name("requests_opted_out"), "Served requests that asked not to be trained on (nothing stored)",
                                  registry=r)
         self.learner_stopped = Gauge(name("learner_stopped"), "1 while a draft's learner has stopped after failures", ("draft",), registry=r)
