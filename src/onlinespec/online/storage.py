@@ -125,10 +125,12 @@ class EventLog:
         self._file = open(self.path, "a")
         self._started = time.time()
 
+    def _rotated(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.{i}{self.path.suffix}")
+
     def files(self) -> list[Path]:
         """The current log and its rotated predecessors that exist, newest first."""
-        rotated = (self.path.with_name(f"{self.path.stem}.{i}{self.path.suffix}") for i in range(1, self.keep + 1))
-        return [p for p in (self.path, *rotated) if p.exists()]
+        return [p for p in (self.path, *map(self._rotated, range(1, self.keep + 1))) if p.exists()]
 
     def write(self, event: dict) -> dict:
         """Append ``event`` with its time (now, unless it has one); the line written."""
@@ -148,12 +150,11 @@ class EventLog:
 
     def _rotate(self) -> None:
         self._file.close()
-        name = lambda i: self.path.with_name(f"{self.path.stem}.{i}{self.path.suffix}")  # noqa: E731
-        name(self.keep).unlink(missing_ok=True)
+        self._rotated(self.keep).unlink(missing_ok=True)
         for i in range(self.keep - 1, 0, -1):
-            if name(i).exists():
-                name(i).rename(name(i + 1))
-        self.path.rename(name(1))
+            if self._rotated(i).exists():
+                self._rotated(i).rename(self._rotated(i + 1))
+        self.path.rename(self._rotated(1))
         if self.retention_seconds is not None:
             cutoff = time.time() - self.retention_seconds
             for old in self.files()[1:]:

@@ -158,8 +158,9 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
                                          request_id, max_tokens, notify, body.stream, tenant)
         shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name)
         headers = {"X-Request-Id": request_id}
-        if body.ignored_fields():  # unknown fields that change nothing: said, not silently dropped
-            names = (k if k.isascii() and k.isprintable() else ascii(k) for k in body.ignored_fields())
+        ignored = body.ignored_fields()
+        if ignored:  # unknown fields that change nothing: said, not silently dropped
+            names = (k if k.isascii() and k.isprintable() else ascii(k) for k in ignored)
             headers["X-Ignored-Fields"] = ", ".join(names)[:1000]
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
