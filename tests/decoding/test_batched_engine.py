@@ -21,6 +21,7 @@ from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
+from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 
@@ -107,6 +108,24 @@ def test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution(tiny_t
     assert sum(c for x, c in counts.items() if exact.get(x, 0.0) == 0) == 0
     p_value, stat, df = fit(counts, exact, chi_square)
     assert p_value > PASS_P, (p_value, stat, df)
+
+
+def test_the_target_alone_shares_a_step_with_requests_whose_head_reads_hidden_states(tiny_target):
+    """A server mixes `"draft": "none"` requests with drafted ones in one forward: the hidden
+    states the head reads come back for every row, and the undrafted rows must not choke on them."""
+    head = FeatureHeadProposer(random_head(tiny_target))
+    decoder = SpeculativeDecoder(tiny_target, None, head, k=3)
+    expected = [SpeculativeDecoder(tiny_target).generate(p, sp).token_ids for p, sp in zip(PROMPTS, _params())]
+    scheduler = Scheduler(decoder.engine, 6)
+    requests = [decoder.request(p, sp, proposer=head if i % 2 else None) for i, (p, sp) in enumerate(zip(PROMPTS, _params()))]
+    for i, r in enumerate(requests):
+        if i % 2 == 0:
+            r.proposer, r.draft_state = None, None  # the target alone
+        scheduler.submit(r)
+    while scheduler.has_work:
+        scheduler.step()
+    assert [r.error for r in requests] == [None] * len(requests)
+    assert [r.ids[len(r.prompt_ids):] for r in requests] == expected
 
 
 def test_a_swap_offered_between_two_takes_is_never_lost(tiny_draft, tiny_target):

@@ -296,8 +296,8 @@ class SpeculativeEngine:
             r.trace.append(self._trace(len(r.ids), proposal, logits, verdict, hidden))
         if r.adaptive is not None and n:
             r.adaptive.update(proposal, verdict.n_accepted, r.params.greedy)
-        if hidden is not None:  # the state at the last accepted position: what the next draft step reads
-            r.proposer.observe(r.draft_state, hidden[verdict.n_accepted])
+        if hidden is not None and r.proposer is not None:  # the state at the last accepted position: what the next draft step reads
+            r.proposer.observe(r.draft_state, hidden[verdict.n_accepted])  # (a step's rows share hidden states; the target alone reads none)
         new = r.stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])
         r.ids.extend(new)
         r.new_tokens = new
