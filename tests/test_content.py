@@ -190,3 +190,20 @@ def test_bad_settings_are_refused_with_what_to_fix():
         ContentConfig(threshold=0.05, merge_threshold=0.1)
     with pytest.raises(ValueError, match="must be > 0"):
         ContentConfig(alpha_lambda=0)
+
+
+def test_a_purge_takes_a_far_prompt_out_of_the_router_and_its_saved_state():
+    """A prompt far from every cluster is kept whole (an embedding of that one prompt) until a
+    cluster is founded: a purge of its request removes it, and the saved state no longer has it."""
+    import json
+
+    draw = domain_embeddings(seed=11)
+    router = ContentRouter()
+    serve(router, draw, "a" * 40)
+    router.assign(draw("b"), request_id="secret")
+    router.assign(draw("a"), request_id="ordinary")
+    assert len(router._far) == 1 and "secret" in json.dumps(router.state())
+    assert router.purge(request_id="ordinary") == 0  # near prompts are only in the running means
+    assert router.purge(request_id="secret") == 1
+    state = router.state()
+    assert not router._far and "secret" not in json.dumps(state) and not ContentRouter.from_state(state)._far

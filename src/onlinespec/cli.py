@@ -710,10 +710,11 @@ def data_purge(
     request_id: Annotated[Optional[str], typer.Option(help="delete this request's training records (the id clients sent as X-Request-Id)")] = None,
     older_than_days: Annotated[Optional[float], typer.Option(min=0.0, help="delete the records older than this many days")] = None,
 ) -> None:
-    """Delete training records from every draft's replay buffer and suffix index, by request or by age. A server
-    running on --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
-    from onlinespec.online.pool import purge_saved_buffers, purge_saved_suffix
-    from onlinespec.online.storage import OutDirBusy, OutDirLock, drop_events
+    """Delete a request's traces (or those older than a number of days) from everything the out-dir keeps: every
+    draft's replay buffer and suffix index, the content router's state and every event log. A server running on
+    --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
+    from onlinespec.online.pool import purge_saved
+    from onlinespec.online.storage import OutDirBusy, OutDirLock
 
     if (request_id is None) == (older_than_days is None):
         console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
@@ -726,18 +727,17 @@ def data_purge(
         raise typer.Exit(2) from None
     try:
         before = None if older_than_days is None else time.time() - older_than_days * 86400.0
-        removed = purge_saved_buffers(out_dir, request_id, before)
-        indexed = purge_saved_suffix(out_dir, request_id, before)  # the suffix indices hold their tokens too
-        events = out_dir / "events.jsonl"  # its lines about them go too (with --log-text they hold text)
-        drop_events(events, request_id, before)
-        with open(events, "a") as log:
+        gone = purge_saved(out_dir, request_id, before)
+        removed = gone["records"]
+        with open(out_dir / "events.jsonl", "a") as log:
             log.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
-                                  "records": sum(removed.values()), "suffix_requests": indexed, "by": "onlinespec data purge",
-                                  "time": time.time()}) + "\n")
+                                  "records": sum(removed.values()), "suffix_requests": gone["suffix_requests"],
+                                  "by": "onlinespec data purge", "time": time.time()}) + "\n")
     finally:
         lock.release()
-    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'}) "
-              f"and {indexed} requests from the suffix indices")
+    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'}), "
+              f"{gone['suffix_requests']} requests from the suffix indices, {gone['routing_prompts']} prompts from the "
+              f"content router's state and {gone['event_lines']} event-log lines")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ routes as before); the pool carries them out (drafts in memory, eviction, reload
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -167,6 +168,7 @@ class ContentRouter:
         self._order: list[int] = []
         self._alarm: int | None = None  # when the distance detector last fired (a cluster is founded once min_far far prompts are in)
         self._far: list[tuple[int, torch.Tensor, int]] = []  # (request, embedding, cluster served as): prompts far from every cluster
+        self._far_of: dict[int, tuple[str, float]] = {}  # a far prompt's request number -> (request id, time): what a purge finds
         self._merged: dict[int, int] = {}  # a merged cluster's id -> the cluster it joined
         self._request_scores: dict[int, dict[str, float]] = {}  # the last far_memory requests' scores, by request number
         self._history: list[int] = []  # the clusters of the last idle_requests + return_recent requests, oldest first
@@ -187,8 +189,9 @@ class ContentRouter:
             self._centroids = torch.tensor([self.clusters[i].centroid for i in self._order], dtype=torch.float32)
         return self._order, self._centroids
 
-    def assign(self, embedding: torch.Tensor, hint: str | None = None) -> Assignment:
-        """The cluster of a prompt (a unit vector): see the module docstring."""
+    def assign(self, embedding: torch.Tensor, hint: str | None = None, request_id: str | None = None) -> Assignment:
+        """The cluster of a prompt (a unit vector): see the module docstring. ``request_id``: the
+        request's id, kept with its embedding while it is a far prompt (so that :meth:`purge` finds it)."""
         c = self.config
         self.requests += 1
         embedding = torch.nn.functional.normalize(embedding.float().flatten(), dim=0)
@@ -200,6 +203,9 @@ class ContentRouter:
             self._far = [(n, e, k) for n, e, k in self._far if self.requests - n <= c.far_memory]
             if distance > c.threshold:
                 self._far.append((self.requests, embedding, nearest.id))
+                if request_id is not None:
+                    self._far_of[self.requests] = (request_id, time.time())
+            self._far_of = {n: v for n, v in self._far_of.items() if any(n == m for m, _, _ in self._far)}
             if self.distance.update(distance):
                 self._alarm = self.requests
                 self.events.append({"event": "drift", "kind": "prompts", "distance": round(distance, 4), "requests": self.requests,
@@ -215,6 +221,17 @@ class ContentRouter:
         self._maybe_merge(nearest)
         cluster = self._alias(nearest.id)
         return Assignment(cluster, cluster, distance, self.requests)
+
+    def purge(self, request_id: str | None = None, before: float | None = None) -> int:
+        """A purge: the far prompts (embeddings of single prompts) of request ``request_id`` or
+        recorded before ``before`` leave the router, with their scores; how many went. Centroids
+        and scores are running means over many requests, and stay (docs/reliability.md)."""
+        doomed = {n for n, (rid, at) in self._far_of.items() if rid == request_id or (before is not None and at < before)}
+        self._far = [f for f in self._far if f[0] not in doomed]
+        for n in doomed:
+            self._far_of.pop(n, None)
+            self._request_scores.pop(n, None)
+        return len(doomed)
 
     def _maybe_returned(self, cluster: Cluster) -> None:
         """A ``cluster_returned`` event when a cluster's traffic comes back: its first request after
@@ -276,7 +293,7 @@ class ContentRouter:
         """A new cluster at the mean of the newest ``min_far`` far prompts (far prompts of an earlier
         change may linger); the pool gives it a draft of its own, from the draft that scored best
         on them."""
-        far, self._far, self._alarm = self._far, [], None
+        far, self._far, self._far_of, self._alarm = self._far, [], {}, None
         if sum(k.live for k in self.clusters.values()) < self.config.max_clusters:
             founders = far[-self.config.min_far:]
             self._new(torch.stack([e for _, e, _ in founders]).mean(0), why, founders)
@@ -416,7 +433,8 @@ class ContentRouter:
                 "merged": {str(a): b for a, b in self._merged.items()}, "distance": asdict(self.distance), "history": self._history,
                 # a founding in progress: the far prompts, the pending alarm, and the scores that pick the new draft's parent
                 "alarm": self._alarm, "far": [[n, [round(x, 6) for x in e.tolist()], k] for n, e, k in self._far],
-                "request_scores": {str(n): scores for n, scores in self._request_scores.items()}}
+                "request_scores": {str(n): scores for n, scores in self._request_scores.items()},
+                "far_requests": {str(n): list(v) for n, v in self._far_of.items()}}
 
     @classmethod
     def from_state(cls, state: dict, config: ContentConfig | None = None) -> "ContentRouter":
@@ -435,6 +453,7 @@ class ContentRouter:
         router._alarm = state.get("alarm")
         router._far = [(n, torch.tensor(e, dtype=torch.float32), k) for n, e, k in state.get("far", [])]
         router._request_scores = {int(n): scores for n, scores in state.get("request_scores", {}).items()}
+        router._far_of = {int(n): (v[0], v[1]) for n, v in state.get("far_requests", {}).items()}
         return router
 
     def summary(self) -> list[dict]:

@@ -105,6 +105,9 @@ def test_unreadable_and_stray_files_are_quarantined_not_loaded(tmp_path):
     assert reopened.counts["quarantined"] == 4
     assert len([p for p in (tmp_path / "quarantine").iterdir() if p.name != "README.txt"]) == 4
     assert reopened.add(record(9)) and ids(ReplayBuffer(tmp_path, max_records=10)) == ["r0", "r3", "r9"]
+    # a purge cannot tell whose text an unreadable file holds: every quarantined file goes with it
+    assert reopened.purge(request_id="r0") == 1
+    assert [p.name for p in (tmp_path / "quarantine").iterdir()] == ["README.txt"]
 
 
 def test_a_failed_write_stores_nothing_and_the_buffer_goes_on(tmp_path, monkeypatch):

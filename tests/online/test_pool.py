@@ -81,3 +81,48 @@ def test_a_draft_a_merge_retires_while_it_serves_leaves_memory_once_it_is_done(t
         assert set(pool.drafts) == {"c1"} and "c0" not in pool.evicted  # retired, not waiting to come back
     finally:
         pool.stop_scoring()
+
+
+def test_a_purge_reaches_a_draft_on_disk_that_is_not_in_memory(tiny_llama, tmp_path):
+    """An earlier run's draft that no request has opened yet (or content routing evicted) keeps
+    its records on disk: a purge deletes the request's records there too."""
+    target = tiny_llama(seed=0, vocab_size=32, hidden_size=32)
+    new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
+    config = LearnerConfig(update_interval=100, priority="normal")
+    first = DraftPool(new_draft, tmp_path, Router("domain"), config)
+    for rid, domain in (("gone", "code"), ("kept", "code"), ("other", "chat")):
+        draft = first.route(domain)
+        out = SpeculativeDecoder(target, None, draft.proposer, k=3).generate([1, 2, 3, 4], PARAMS, trace=True)
+        first.observe(draft, out, domain, rid)
+    second = DraftPool(new_draft, tmp_path, Router("domain"), config)  # a restart: nothing opened yet
+    assert not second.drafts
+    assert second.purge(request_id="gone") == 1 and not second.drafts  # nothing loaded to do it
+    assert {r.request_id for r in second.open("code").learner.buffer.records()} == {"kept"}
+
+
+def test_an_offline_purge_reaches_routing_state_and_every_event_log(tmp_path):
+    """`onlinespec data purge` on a stopped server's out-dir: the request leaves the content
+    router's saved far prompts and the event logs of the server, its Ray replicas and learners
+    (rotated files included), and nothing else goes."""
+    import json
+
+    from onlinespec.content import ContentRouter
+    from onlinespec.online.pool import ROUTING_FILE, purge_saved
+    from tests.test_content import domain_embeddings, serve
+
+    draw = domain_embeddings(seed=11)
+    router = ContentRouter()
+    serve(router, draw, "a" * 40)
+    router.assign(draw("b"), request_id="secret")
+    (tmp_path / ROUTING_FILE).write_text(json.dumps({"router": router.state(), "evicted": []}))
+    logs = [tmp_path / "events.jsonl", tmp_path / "events.1.jsonl", tmp_path / "replicas" / "r0" / "events.jsonl",
+            tmp_path / "learners" / "0" / "events.2.jsonl"]
+    for log in logs:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps({"event": "request", "id": "secret", "time": 1e9, "text": "my password"}) + "\n"
+                       + json.dumps({"event": "request", "id": "other", "time": 1e9}) + "\n")
+    gone = purge_saved(tmp_path, request_id="secret")
+    assert gone["routing_prompts"] == 1 and gone["event_lines"] == len(logs)
+    for path in [tmp_path / ROUTING_FILE, *logs]:
+        assert "secret" not in path.read_text() and "my password" not in path.read_text()
+    assert all('"other"' in log.read_text() for log in logs)

@@ -77,7 +77,7 @@ def _stream(url: str, model: str, prompt: str, out: dict) -> None:
                               if line.startswith("data: {") and '"choices": [{' in line)
 
 
-def _slow_body(host: str, port: int, seconds: float) -> bytes:
+def slow_body(host: str, port: int, seconds: float) -> bytes:
     """Headers, then the body one byte at a time for ``seconds``, then hang up."""
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n")
@@ -88,7 +88,7 @@ def _slow_body(host: str, port: int, seconds: float) -> bytes:
     return b""
 
 
-def _dropped_stream(url: str, model: str) -> None:
+def dropped_stream(url: str, model: str) -> None:
     """A stream read up to its first token, then dropped."""
     with httpx.stream("POST", url + COMPLETIONS, timeout=60,
                       json={"model": model, "prompt": "Drop me", "max_tokens": 200, "temperature": 0, "stream": True}) as r:
@@ -103,7 +103,7 @@ def test_hostile_requests_fail_alone_while_good_streams_keep_the_target_alones_t
     good: dict = {}
     threads = [threading.Thread(target=_stream, args=(server.url, model, p, good)) for p in GOOD_PROMPTS]
     host, port = server.url.removeprefix("http://").split(":")
-    threads += [threading.Thread(target=_slow_body, args=(host, int(port), 3.0)), threading.Thread(target=_dropped_stream, args=(server.url, model))]
+    threads += [threading.Thread(target=slow_body, args=(host, int(port), 3.0)), threading.Thread(target=dropped_stream, args=(server.url, model))]
     for thread in threads:
         thread.start()
     seen = []

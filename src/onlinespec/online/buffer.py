@@ -158,11 +158,16 @@ class ReplayBuffer:
         if self.retention_seconds is None:
             return 0
         cutoff = self.clock() - self.retention_seconds
-        quarantine = self.directory / "quarantine"
-        for path in quarantine.iterdir() if quarantine.is_dir() else ():  # unreadable copies expire too
-            if path.name != "README.txt" and path.stat().st_mtime < cutoff:
-                path.unlink(missing_ok=True)
+        self._clear_quarantine(cutoff)  # unreadable copies expire too
         return self._drop(lambda e: e.record.created_at < cutoff, "expired")
+
+    def _clear_quarantine(self, before: float | None = None) -> None:
+        """Delete the quarantined files (all, or those last written before ``before``): being
+        unreadable, none can be shown not to hold a purged request's text."""
+        quarantine = self.directory / "quarantine"
+        for path in quarantine.iterdir() if quarantine.is_dir() else ():
+            if path.name != "README.txt" and (before is None or path.stat().st_mtime < before):
+                path.unlink(missing_ok=True)
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         """Delete the records of request ``request_id`` (its student branches included), or
@@ -175,6 +180,7 @@ class ReplayBuffer:
             return (request_id is not None and (rid == request_id or rid.startswith(request_id + STUDENT_MARK))) or (
                 before is not None and entry.record.created_at < before)
 
+        self._clear_quarantine(None if request_id is not None else before)
         return self._drop(doomed, "purged")
 
     # ---- internals ------------------------------------------------------------------------------

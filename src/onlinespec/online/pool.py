@@ -66,7 +66,7 @@ SUFFIX_FILES = "suffix-index*.safetensors"
 def replica_suffix_file(replica: str) -> str:
     return f"suffix-index.{replica}.safetensors"
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
-RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts content routing keeps on disk only
+RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts on disk only (not in memory)
 SCORE_BACKLOG = 32  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 2.5 MB of records).
 # Scored in order, so a full backlog is how late each score arrives: about the scores' memory (ContentConfig.score_memory)
 
@@ -131,14 +131,15 @@ def purge_saved_buffers(out_dir: str | Path, request_id: str | None = None, befo
 
 
 def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, before: float | None = None,
-                       drafts: list[str] | None = None) -> int:
+                       drafts: list[str] | None = None, files: str = SUFFIX_FILES) -> int:
     """Purge the suffix indices saved in ``out_dir`` (all of a stopped server's, for ``onlinespec
     data purge``; a running one's drafts that are not in memory, ``drafts``): the requests leave
-    every saved index, and set-aside (unreadable) copies are deleted; how many indexed requests went."""
+    every saved index (``files``: which of a draft's, by pattern; a Ray replica purges its own),
+    and set-aside (unreadable) copies are deleted; how many indexed requests went."""
     removed = 0
     root = Path(out_dir) / "drafts"
     folders = sorted(root.glob("*")) if drafts is None else [root / name for name in drafts]
-    for path in sorted(f for folder in folders for f in folder.glob(SUFFIX_FILES)):
+    for path in sorted(f for folder in folders for f in folder.glob(files)):
         index = SuffixIndex(max_tokens=2**62)
         try:
             index.load(path)
@@ -152,6 +153,35 @@ def purge_saved_suffix(out_dir: str | Path, request_id: str | None = None, befor
     for folder in folders:
         _delete_set_aside(folder)
     return removed
+
+
+def purge_saved_routing(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> int:
+    """Purge a stopped server's content-routing state (``routing.json``): the far prompts of
+    request ``request_id`` (or recorded before ``before``) leave it; how many went."""
+    path = Path(out_dir) / ROUTING_FILE
+    if not path.exists():
+        return 0
+    state = json.loads(path.read_text())
+    router = ContentRouter.from_state(state["router"])
+    removed = router.purge(request_id, before)
+    if removed:
+        atomic_write(path, json.dumps({**state, "router": router.state()}))
+    return removed
+
+
+def purge_saved(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> dict:
+    """Purge everything a stopped server kept in ``out_dir`` about request ``request_id`` (or
+    recorded before ``before``), for ``onlinespec data purge``: every draft's replay buffer (its
+    quarantine included) and suffix indices, the content router's far prompts, and every event
+    log (the server's, each Ray replica's and learner's, rotated files included)."""
+    from onlinespec.online.storage import drop_events
+
+    root = Path(out_dir)
+    records = purge_saved_buffers(root, request_id, before)
+    logs = sorted(p for pattern in ("events*.jsonl", "*/*/events*.jsonl") for p in root.glob(pattern))
+    return {"records": records, "suffix_requests": purge_saved_suffix(root, request_id, before),
+            "routing_prompts": purge_saved_routing(root, request_id, before),
+            "event_lines": sum(drop_events(log, request_id, before) for log in logs)}
 
 
 def _delete_set_aside(folder: Path, before: float | None = None) -> None:
@@ -180,6 +210,8 @@ class DraftPool:
         max_in_memory: int = MAX_DRAFTS,
         learners: Callable[[str, Proposer], OnlineLearner] | None = None,
         suffix_file: str = SUFFIX_FILE,
+        owns: Callable[[str], bool] | None = None,
+        keeps_buffers: bool | None = None,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
@@ -190,14 +222,20 @@ class DraftPool:
         ``learners(name, proposer, origin)``: where a draft's learner lives (default: here, with its buffer
         under ``out_dir/buffer/<name>``; a Ray replica passes a client of its learner actor).
         ``suffix_file``: the file a draft's suffix index is saved as in its registry folder (each
-        Ray replica keeps its own)."""
+        Ray replica keeps its own). ``owns(name)``: whether this pool may purge draft ``name``'s
+        files on disk while it is not in memory (default: every draft; a Ray learner group, its own).
+        ``keeps_buffers``: whether the buffers under ``out_dir/buffer`` are this pool's to purge
+        (default: unless ``learners`` puts them elsewhere; a Ray replica's never are)."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
         self.retention_seconds, self.identity = retention_seconds, identity or {}
         self.suffix_tokens, self.suffix_file = suffix_tokens, suffix_file
         self._learners = learners or self._local_learner
+        self._keeps_buffers = learners is None if keeps_buffers is None else keeps_buffers
+        self.owns = owns or (lambda name: True)
         self.suffix_purged = 0  # indexed requests purged (by request or by age)
+        self._swept_at = time.monotonic()  # the last retention sweep of the drafts on disk only
         self._saved_at = 0.0
         self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
@@ -374,11 +412,14 @@ class DraftPool:
                     for name in [n for n, d in self.drafts.items() if n in self.retired and self._idle(d)]:
                         self._evict(name, why="retired")
                 self.save_routing()
-                if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
-                    self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
-                    self._purge_on_disk(None, time.time() - self.retention_seconds)
             except Exception:  # never stops the housekeeping
                 log.exception("content routing's housekeeping failed; serving goes on")
+        if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
+            self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
+            try:
+                self._purge_on_disk(None, time.time() - self.retention_seconds)
+            except Exception:
+                log.exception("the retention sweep of the drafts on disk failed; it runs again in %s s", RETENTION_SWEEP_SECONDS)
         for learner in self.learners:
             try:
                 learner.expire()
@@ -388,7 +429,7 @@ class DraftPool:
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         """Delete a request's records (or those recorded before ``before``) from every buffer:
-        the drafts' in memory, and those on disk only (content routing evicted or retired them)."""
+        the drafts' in memory, and those on disk only (see :meth:`_purge_on_disk`)."""
         removed = self._purge_on_disk(request_id, before)
         for learner in self.learners:
             removed += learner.purge(request_id, before)
@@ -403,15 +444,20 @@ class DraftPool:
         return removed
 
     def _purge_on_disk(self, request_id: str | None, before: float | None) -> int:
-        """Purge the buffers and suffix indices of the drafts content routing keeps on disk only
-        (evicted, or retired by a merge); under the pool's lock, so none is reloaded meanwhile.
-        Each buffer is read whole to do it: a purge, or a retention sweep every few minutes."""
-        if self.content is None:
-            return 0
+        """Purge the buffers and suffix indices of every draft on disk that is not in memory
+        (content routing evicted or retired it, or an earlier run made it); under the pool's lock,
+        so none is loaded meanwhile. Each buffer is read whole to do it: a purge, or a retention
+        sweep every few minutes. The router's far prompts of the request go too."""
         with self._lock:
-            names = sorted((self.evicted | set(self.retired)) - set(self.drafts))
-            removed = sum(purge_saved_buffers(self.out_dir, request_id, before, drafts=names).values())
-            self.suffix_purged += purge_saved_suffix(self.out_dir, request_id, before, drafts=names)
+            on_disk = {p.name for folder in ("buffer", "drafts") for p in (self.out_dir / folder).glob("*") if p.is_dir()}
+            names = sorted(n for n in on_disk - set(self.drafts) if self.owns(n))
+            removed = sum(purge_saved_buffers(self.out_dir, request_id, before, drafts=names).values()) if self._keeps_buffers else 0
+            self.suffix_purged += purge_saved_suffix(self.out_dir, request_id, before, drafts=names,
+                                                     files=SUFFIX_FILES if self._keeps_buffers else self.suffix_file)
+            if self.content is not None and self.content.purge(request_id, before):
+                self._routing_dirty = True
+        if self.content is not None:
+            self.save_routing(force=True)
         return removed
 
     def governance(self) -> dict:
@@ -456,7 +502,6 @@ class DraftPool:
         proposer, adaptive = self.new_draft()
         self.static = Draft(STATIC, proposer, adaptive, None)  # the floor: scored on every request, never trained
         self._routing_dirty, self._routing_saved_at = False, 0.0
-        self._swept_at = time.monotonic()  # the last retention sweep of the drafts on disk only
         self._last_home: str | None = None
         self._scores: queue.Queue = queue.Queue(SCORE_BACKLOG)
         self.scores_dropped, self._dropped_reported, self._dropped_at = 0, 0, float("-inf")
@@ -473,12 +518,12 @@ class DraftPool:
             name = name if name and name not in self.retired else f"c{self.content.next_id}"
             return self._loaded(name) if load else self.drafts.get(name)
 
-    def route_content(self, embedding: torch.Tensor, hint: str | None = None) -> Route:
+    def route_content(self, embedding: torch.Tensor, hint: str | None = None, request_id: str | None = None) -> Route:
         """Route a prefilled request (engine thread): its cluster, the draft that records it, and
         the draft that serves it; spawns, reloads and evicts drafts as the router decides."""
         with self._lock:
             content = self.content
-            assignment = content.assign(embedding, hint)
+            assignment = content.assign(embedding, hint, request_id)
             self._apply_events()
             cluster = content.cluster(assignment.cluster)
             if cluster.draft is None or cluster.draft in self.retired:

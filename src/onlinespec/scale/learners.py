@@ -78,7 +78,8 @@ class LearnerService:
 
         self.pool = DraftPool(new_draft, self.out_dir, Router("single"), config.learner, config.buffer_policy,
                               config.buffer_records, on_event=self._event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity)
+                              retention_seconds=config.retention_seconds, identity=self.identity,
+                              owns=lambda name: group_of(name, groups) == group)
         self._seen: dict[str, OrderedDict] = {}
         self._seen_lock = threading.Lock()
         for name in saved_drafts(self.out_dir):  # a restart: the group's drafts, from their registries and buffers
@@ -180,6 +181,7 @@ class LearnerService:
 
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         removed = self.pool.purge(request_id, before)
+        self.events.drop(request_id, before)  # this actor's own log (its updates' lines)
         with self._seen_lock:  # no digest of a purged record is kept either
             for name in self._seen:
                 self._seen[name] = OrderedDict.fromkeys(r.digest() for r in self.pool.drafts[name].learner.buffer.records())

@@ -381,7 +381,8 @@ class ServingCore:
                               retention_seconds=config.retention_seconds, identity=self.identity,
                               suffix_tokens=config.suffix_tokens if learning else 0,
                               content=config.content if content else None, max_in_memory=config.max_drafts,
-                              learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE)
+                              learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
+                              keeps_buffers=not self.replica)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.static
@@ -651,7 +652,7 @@ class ServingCore:
         state = handle.state
         if state.prompt_embedding is None:  # a model without hidden states to read, or nothing left to serve
             return
-        route = self.pool.route_content(state.prompt_embedding, handle.domain)
+        route = self.pool.route_content(state.prompt_embedding, handle.domain, handle.request_id)
         state.prompt_embedding = None
         with self._lock:  # cancelled (or failed) meanwhile, on another thread: give the drafts back now
             if state.id not in self._handles:
