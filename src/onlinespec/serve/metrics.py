@@ -16,6 +16,7 @@ PREFIX = "onlinespec:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 SPEC = ("draft", "version", "domain")
+KEEP_VERSIONS = 2  # per draft, the versions whose spec-decode series /metrics keeps (the serving one and the one before)
 
 
 class ServeMetrics:
@@ -38,6 +39,11 @@ class ServeMetrics:
         self.running = Gauge(name("num_requests_running"), "Requests in the batch", registry=r)
         self.waiting = Gauge(name("num_requests_waiting"), "Requests waiting for a slot", registry=r)
         self.updates = Counter(name("learner_updates"), "Draft updates by outcome", ("draft", "outcome"), registry=r)
+        self.learn_share = Gauge(name("learn_share"), "Share of the engine's wall time spent learning (last 30 s, "
+                                 "onlinespec.online.turns)", registry=r)
+        self.learn_share_limit = Gauge(name("learn_share_limit"), "The most of the engine's time learning may take under load",
+                                       registry=r)
+        self.learn_seconds = Counter(name("learn_seconds"), "Engine seconds given to learning", registry=r)
         self.update_seconds = Histogram(name("learner_update_seconds"), "Wall time of one update", ("draft",),
                                         buckets=(1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640), registry=r)
         self.buffer_records = Gauge(name("buffer_records"), "Records in the draft's replay buffer", ("draft",), registry=r)
@@ -61,10 +67,12 @@ class ServeMetrics:
         self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
         self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
         self._versions: dict[str, str] = {}
+        self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
 
     def request(self, draft: str, version: str | None, domain: str, stats, figures: dict) -> None:
         """Count one finished request (``figures``: :func:`onlinespec.metrics.speculative_decoding`)."""
         labels = (draft, version or "none", domain)
+        self._retire_old_versions(draft, labels, len(figures["num_accepted_tokens_per_pos"]))
         self.num_drafts.labels(*labels).inc(figures["num_drafts"])
         self.num_draft_tokens.labels(*labels).inc(figures["num_draft_tokens"])
         self.num_accepted_tokens.labels(*labels).inc(figures["num_accepted_tokens"])
@@ -76,6 +84,24 @@ class ServeMetrics:
         self.latency.observe(stats.seconds)
         self.queue_time.observe(stats.queued_seconds)
         self.ttft.observe(stats.first_token_seconds)
+
+    def _retire_old_versions(self, draft: str, labels: tuple, positions: int) -> None:
+        """Keep the per-version series of a draft's newest KEEP_VERSIONS versions only: a server
+        that learns for weeks publishes thousands (/metrics stays bounded; the totals per draft
+        live on in the newer versions' rates, and each version's figures are in the event log)."""
+        versions = self._series.setdefault(draft, {})
+        versions.setdefault(labels[1], set()).update((*labels, str(p)) for p in range(positions))
+        versions[labels[1]].add(labels)
+        while len(versions) > KEEP_VERSIONS:
+            old = next(iter(versions))
+            for series in versions.pop(old):
+                counters = (self.accepted_per_pos,) if len(series) == 4 else (
+                    self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.generation_tokens)
+                for counter in counters:
+                    try:
+                        counter.remove(*series)
+                    except KeyError:  # never made (a request with no proposals)
+                        pass
 
     def serving(self, draft: str, version: str | None) -> None:
         """``draft`` now serves ``version`` (the info gauge keeps one series per draft at 1)."""
