@@ -10,7 +10,9 @@ Draft specs:
 
 - ``"hybrid"``: n-gram lookup where the text offers a match, then the suffix index of earlier
   requests (empty until a server adds what it serves), else the packaged feature head trained
-  for the default target (``"hybrid:FOLDER"`` for another head);
+  for the default target (``"hybrid:FOLDER"`` for another head). For any other target, and
+  with ``"hybrid:fresh"``, a fresh head born from the target's own embeddings and output layer
+  (untrained: it learns from the traffic a server sees);
 - ``"suffix"``: n-gram lookup, then the suffix index alone (model-free);
 - ``"head"`` / ``"head:FOLDER"``: a feature-conditioned head alone (:mod:`onlinespec.drafts`);
 - ``"ngram"`` / ``"ngram:N"``: prompt lookup, longest n-gram N (default 3);
@@ -42,13 +44,14 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
-from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_target
+from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_target, tokenizer_fingerprint
 from onlinespec.online.storage import atomic_write
 from onlinespec.tokens import eos_token_ids
 
 log = logging.getLogger("onlinespec")
 
 DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
+FRESH = "fresh"  # "hybrid:fresh", "head:fresh": a head born from the target, not the packaged one
 
 # Chosen by measured end-to-end speed on 60 held-out prompts (docs/default-bench.md): 1.63x the
 # target alone in fp32 with greedy output identical on 60/60 (bf16 was faster in absolute terms
@@ -76,13 +79,28 @@ def make_proposer(spec: str, target: LoadedModel, dtype: str | torch.dtype = "fl
         return DraftChoice(SuffixProposer(SuffixIndex()))
     if spec in ("head", "hybrid") or spec.startswith(("head:", "hybrid:")):
         kind, _, folder = spec.partition(":")
-        head = load_head(folder or DEFAULT_HEAD, target)
+        if not folder and not packaged_head_fits(target):  # another model: a head born from it learns from traffic
+            log.info("the packaged head was trained for another target: %s starts with a fresh head (%s:fresh)", spec, kind)
+            folder = FRESH
+        head = fresh_head(target) if folder == FRESH else load_head(folder or DEFAULT_HEAD, target)
         proposer = FeatureHeadProposer(head, name=f"head:{folder or 'default'}")
         return DraftChoice(HybridProposer(proposer, suffix_index=SuffixIndex()) if kind == "hybrid" else proposer)
     if is_feature_head(spec):
         return DraftChoice(FeatureHeadProposer(load_head(spec, target), name=spec))
     draft = load_draft(spec, target, dtype)
     return DraftChoice(DraftModelProposer(draft.model, name=spec), draft)
+
+
+def packaged_head_fits(target: LoadedModel) -> bool:
+    """Whether the packaged head was trained for ``target`` (its tokenizer and hidden size)."""
+    info = FeatureHead.info(DEFAULT_HEAD) if is_feature_head(DEFAULT_HEAD) else {}
+    return (info.get("tokenizer") == tokenizer_fingerprint(target.tokenizer)
+            and info.get("config", {}).get("hidden_size") == target.model.config.hidden_size)
+
+
+def fresh_head(target: LoadedModel) -> FeatureHead:
+    """A head nobody trained (:meth:`FeatureHead.fresh`): it learns from the first requests."""
+    return FeatureHead.fresh(target.model, eos_token_ids(target.model, target.tokenizer)).eval()
 
 
 def load_head(folder: str | Path, target: LoadedModel) -> FeatureHead:

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 CONFIG_FILE = "feature_head.json"
 WEIGHTS_FILE = "feature_head.safetensors"
+FRESH_VOCAB = 8192  # a fresh head's restricted vocabulary (the packaged head's size: docs/drafts.md)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class FeatureHeadConfig:
     num_blocks: int = 2
     rms_eps: float = 1e-5
     vocab_size: int = 0  # the target's full vocabulary (restricted ids index into it)
+    vocab_from_traffic: bool = False  # a fresh head: its restricted vocabulary is chosen again from served text at each update
+    keep_ids: list[int] = field(default_factory=list)  # ids every vocabulary it chooses keeps (EOS)
 
 
 class RMSNorm(nn.Module):
@@ -87,12 +90,27 @@ class FeatureHead(nn.Module):
         self.blocks = nn.ModuleList(SwiGLUBlock(hidden, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
         self.out_norm = RMSNorm(hidden, config.rms_eps)
         self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.out_weight = out_weight.detach()  # the target's whole output layer (shared, never saved): rows for any vocabulary
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)
-        self.register_buffer("out_rows", out_weight.detach()[vocab_ids].clone(), persistent=False)
-        # full id -> restricted index (-1: not in the restricted vocabulary)
-        index = torch.full((embedding.shape[0],), -1, dtype=torch.long)
-        index[vocab_ids] = torch.arange(len(vocab_ids))
-        self.register_buffer("restricted_index", index, persistent=False)
+        self.register_buffer("out_rows", torch.empty(0), persistent=False)
+        self.register_buffer("restricted_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Derive the output rows and the full-id -> restricted-index map from ``vocab_ids`` (after
+        a construction, a load of saved weights, or :meth:`choose_vocab`)."""
+        vocab_ids = self.vocab_ids
+        self.out_rows = self.out_weight[vocab_ids.to(self.out_weight.device)].to(self.fuse.weight.device, self.fuse.weight.dtype)
+        index = torch.full((self.out_weight.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
+        index[vocab_ids] = torch.arange(len(vocab_ids), device=vocab_ids.device)
+        self.restricted_index = index  # -1: not in the restricted vocabulary
+
+    def choose_vocab(self, vocab_ids: torch.Tensor) -> None:
+        """Serve a new restricted vocabulary of the same size (the body is vocabulary-blind)."""
+        if len(vocab_ids) != len(self.vocab_ids):
+            raise ValueError(f"a head's vocabulary keeps its size ({len(self.vocab_ids)}), got {len(vocab_ids)} ids")
+        self.vocab_ids = vocab_ids.to(self.vocab_ids)
+        self.tie_weights()
 
     @property
     def vocab_size(self) -> int:
@@ -112,11 +130,8 @@ class FeatureHead(nn.Module):
 
     def clone(self) -> "FeatureHead":
         """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
-        shared = (self.embedding, self.out_rows, self.restricted_index, self.vocab_ids)
+        shared = (self.embedding, self.out_weight, self.out_rows, self.restricted_index, self.vocab_ids)
         return copy.deepcopy(self, {id(t): t for t in shared})
-
-    def tie_weights(self) -> None:  # the Trainer calls this after loading a checkpoint
-        pass
 
     # ---- construction, saving, loading ----------------------------------------------------
 
@@ -132,6 +147,16 @@ class FeatureHead(nn.Module):
             head.fuse.weight[:, :hidden] = torch.eye(hidden)
             head.fuse.weight[:, hidden:] = 0.1 * torch.eye(hidden)
         return head
+
+    @classmethod
+    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = FRESH_VOCAB, **overrides) -> "FeatureHead":
+        """A head for a target nobody trained one for (arXiv 2310.07177, section 4: the draft
+        learns from the target's verifications of live traffic). Its vocabulary starts as the
+        tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the
+        tokenizer's training text) plus ``eos_ids``, and is chosen again from served text at each
+        update (:func:`traffic_vocab`)."""
+        start = traffic_vocab(torch.zeros(target.config.vocab_size), vocab_size, eos_ids)
+        return cls.for_target(target, start, vocab_from_traffic=True, keep_ids=sorted(eos_ids), **overrides)
 
     def save(self, path: str | os.PathLike[str], metadata: dict | None = None) -> Path:
         """Write the head to folder ``path`` atomically (a temp folder, then a rename)."""
@@ -180,3 +205,13 @@ def frequent_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()
     top = torch.topk(token_counts.float(), size).indices
     ids = torch.unique(torch.cat([top, torch.tensor(list(always), dtype=torch.long)]))
     return ids
+
+
+def traffic_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:
+    """Exactly ``size`` token ids, sorted: ``always`` (e.g. EOS), then the most frequent in
+    ``token_counts``, ties (unseen tokens included) going to the lower id."""
+    n = len(token_counts)
+    size = min(size, n)
+    score = token_counts.double() + (n - torch.arange(n, dtype=torch.float64)) / (2.0 * n)  # < 0.5: breaks ties only
+    score[torch.tensor(list(always), dtype=torch.long)] = float("inf")
+    return torch.sort(torch.topk(score, size).indices).values

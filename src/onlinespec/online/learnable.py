@@ -20,7 +20,7 @@ import torch
 
 from onlinespec.distill.records import DistillRecord
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.drafts.feature_head import FeatureHead, traffic_vocab
 from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.weights import load_weights
 
@@ -44,10 +44,16 @@ class LearnableDraft(Protocol):
     def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
         """Load published weights strictly (a ValueError if they do not fit)."""
 
+    def adapt(self, model: torch.nn.Module, records: Sequence[DistillRecord]) -> None:
+        """Fit a private copy's fixed choices to the traffic in ``records`` before it trains."""
+
 
 class _Strict:
     def load(self, model, state, source):
         load_weights(model, state, source)
+
+    def adapt(self, model, records):
+        pass
 
 
 class DraftLM(_Strict):
@@ -71,6 +77,15 @@ class HeadDraft(_Strict):
 
     def metrics(self, model, records, config):
         return head_metrics(model, records, config)
+
+    def adapt(self, model, records):
+        """A fresh head's vocabulary: the tokens the served text (prompts and the target's
+        answers) used most, and the ones it always keeps (:func:`traffic_vocab`)."""
+        if not model.config.vocab_from_traffic or not records:
+            return
+        counts = torch.bincount(torch.tensor([t for r in records for t in r.token_ids], dtype=torch.long),
+                                minlength=model.config.vocab_size or model.out_weight.shape[0])
+        model.choose_vocab(traffic_vocab(counts, len(model.vocab_ids), model.config.keep_ids))
 
 
 def learnable(model: torch.nn.Module) -> LearnableDraft:
