@@ -37,7 +37,7 @@ app.add_typer(drafts_app, name="drafts")
 console = Console(stderr=True)  # progress and messages
 out = Console(width=None if sys.stdout.isatty() else 160)  # results
 
-DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]', 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
+DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]' (HEAD 'fresh': a head born from the target, learning from traffic; the default for a target without a packaged head), 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
 TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
 KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
 DtypeOpt = Annotated[str, typer.Option(help="torch backend: float32, bfloat16 or auto (bfloat16 on CUDA, else float32)")]
@@ -231,6 +231,9 @@ CORE_OPTIONS: dict[str, tuple] = {
     "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
     "priority": (Annotated[str, typer.Option(help="learner thread priority: low (nice 19), idle (SCHED_IDLE: serving preempts it at once) or normal")], LearnerConfig.priority),
     "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
+    "learn_share": (Annotated[float, typer.Option(min=0.0, max=1.0, help="under load, the most of the engine's wall time draft updates take: they "
+                                                  "compute in turns the engine gives them, never beside a step (idle: all of it); "
+                                                  "0: in a thread beside serving, at --priority")], CoreConfig.learn_share),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "
                                                "'content': drafts for clusters of prompts, no labels needed (docs/routing.md)")], CoreConfig.router),
@@ -268,7 +271,7 @@ def _core_config(o: dict) -> CoreConfig:
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
-    return CoreConfig(**plain, learner=learner, content=content)
+    return CoreConfig(**plain, learner=learner, content=content, learn_share=o["learn_share"] or None)
 
 
 def with_core_options(command):

@@ -66,10 +66,10 @@ class StreamClient(Protocol):
         """The training data's governance counts and the learners' failures (:func:`learner_health`)."""
 
 
-def learner_health(drafts: list[dict], governance: dict | None) -> dict:
+def learner_health(drafts: list[dict], governance: dict | None, learning: dict | None = None) -> dict:
     """From :meth:`ServingCore.drafts` rows (or ``GET /admin/drafts``): failed updates and
-    stopped learners by draft, and the governance counts."""
-    return {"governance": governance or {},
+    stopped learners by draft, the governance counts, and the engine time learning took."""
+    return {"governance": governance or {}, "learning": learning or {},
             "update_failures": {d["name"]: d["failures"] for d in drafts if d.get("failures")},
             "learners_stopped": {d["name"]: d["stopped"] for d in drafts if d.get("stopped")}}
 
@@ -111,7 +111,7 @@ class CoreClient:
         return [{"draft": name, **asdict(r)} for name, r in self.core.pool.reports()]
 
     def health(self) -> dict:
-        return learner_health(self.core.drafts(), self.core.governance())
+        return learner_health(self.core.drafts(), self.core.governance(), self.core.learning())
 
 
 class HTTPClient:
@@ -154,7 +154,7 @@ class HTTPClient:
 
     def health(self) -> dict:
         state = self.admin.get("/admin/drafts").raise_for_status().json()
-        return learner_health(state["drafts"], state.get("governance"))
+        return learner_health(state["drafts"], state.get("governance"), state.get("learning"))
 
 
 def run_stream(
@@ -308,7 +308,8 @@ def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None
         "domains": {d: figures([r for r in served if r["domain"] == d]) for d in domains},
         "errors": [{"i": r["i"], "id": r["id"], "error": r["error"]} for r in failed],
         "updates": updates or [],
-        "learner": {"update_failures": health.get("update_failures", {}), "learners_stopped": health.get("learners_stopped", {})},
+        "learner": {"update_failures": health.get("update_failures", {}), "learners_stopped": health.get("learners_stopped", {}),
+                    "learning": health.get("learning", {})},
         "governance": health.get("governance", {}),
         "requests": rows,
     }

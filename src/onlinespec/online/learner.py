@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from onlinespec.online.learnable import LearnableDraft, learnable
 from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.storage import kill_point
+from onlinespec.online.turns import EngineTurns
 
 UNITS = ("requests", "records", "tokens")
 log = logging.getLogger("onlinespec.learner")
@@ -115,6 +117,7 @@ class UpdateReport:
     by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
     ended_at: float = 0.0  # wall-clock time
     outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
+    engine_seconds: float = 0.0  # the engine's time it took (its turns; without turns, its wall time)
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
 
 
@@ -130,6 +133,7 @@ class OnlineLearner:
         slot: threading.Semaphore | None = None,
         identity: dict | None = None,
         origin: dict | None = None,
+        turns: EngineTurns | None = None,
     ) -> None:
         """``on_event`` is called from the learner thread when an update starts and when it ends.
         ``slot``: shared by the learners of several drafts, so that one update runs at a time
@@ -137,11 +141,13 @@ class OnlineLearner:
         ``identity`` (target, draft spec, tokenizer) goes into every published version's
         metadata; a registry written for another identity is refused. ``origin``: where the
         proposer's weights came from, for an empty registry's first version (default: the starting
-        draft; a draft spawned by the content router names the draft and version it copied)."""
+        draft; a draft spawned by the content router names the draft and version it copied).``turns``: the serving engine's (:mod:`onlinespec.online.turns`): the update thread computes
+        only in turns the engine gives it, on every core, never beside a step."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
         self.on_event, self.slot = on_event or (lambda event: None), slot
         self.config = config or LearnerConfig()
         self.background = background
+        self.turns = turns  # the serving engine's turns: the update computes only in them (onlinespec.online.turns)
         self.identity = identity or {}
         self.learnable: LearnableDraft = learnable(proposer.model)
         self.reports: list[UpdateReport] = []
@@ -160,6 +166,7 @@ class OnlineLearner:
         self.pinned = False  # an operator pinned the serving version: updates still run, none publishes
         self._unloadable: str | None = None  # a version another process made CURRENT that would not load
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
+        self.backoff = 1  # updates every backoff x I units: set by the controller when updates stop earning (onlinespec.online.controller)
         current = self._recover()
         if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft",
@@ -230,15 +237,17 @@ class OnlineLearner:
     @property
     def due(self) -> bool:
         """I units have been served since the last update started (never once the learner stopped)."""
-        return self.stopped is None and self._count >= self.config.update_interval
+        return self.stopped is None and self._count >= self.config.update_interval * self.backoff
 
     def hurry(self) -> None:
         """Make the next update due now instead of after I units (a detected drift); it starts
         at the next request, as soon as the shared slot is free."""
         with self._lock:
+            self.backoff = 1  # a drift: learning pays again
             self._count = max(self._count, self.config.update_interval)
         if self.due and self.due_since is None:
             self.due_since = time.monotonic()
+        self.on_event({"event": "hurried", "time": time.time()})
 
     def maybe_update(self) -> bool:
         """Start the update that is due, if this learner and the shared slot are free (serving thread)."""
@@ -371,11 +380,21 @@ class OnlineLearner:
         return [r for r in records if id(r) not in held], groups
 
     def _budget(self) -> None:
-        """The learner thread's CPU budget: its torch threads and its priority."""
+        """The learner thread's CPU budget: its torch threads and its priority; in the engine's
+        turns, every core (serving waits meanwhile) and no lower priority."""
+        if self.turns is not None:
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            self.turns.take(self._cancel.is_set)
+            return
         torch.set_num_threads(self.config.threads)
         if self.background:
             name_thread("onlinespec-learn")
             lower_priority(self.config.priority)
+
+    def _pause_point(self) -> None:
+        """Between two units of work (an optimizer step, an evaluation): the engine's turn, if it ran out."""
+        if self.turns is not None:
+            self.turns.checkpoint(self._cancel.is_set)
 
     def _update(self) -> None:
         serving_threads = torch.get_num_threads()
@@ -386,6 +405,8 @@ class OnlineLearner:
         except Exception as err:  # an update that fails publishes nothing and never stops serving
             self._failed(f"{type(err).__name__}: {err}")
         finally:
+            if self.turns is not None:
+                self.turns.done()
             if self.slot is not None:
                 self.slot.release()
             if not self.background:  # the update ran on the serving thread: give it its threads back
@@ -404,6 +425,7 @@ class OnlineLearner:
 
     def _run_update(self) -> None:
         start = time.perf_counter()
+        given = self.turns.learn_seconds_total if self.turns is not None else None  # one update at a time holds turns
         with self._lock:
             records, records_seen = self.buffer.records(), self._records_seen
         if len(records) < 2:
@@ -431,8 +453,10 @@ class OnlineLearner:
             self._prune()
         if self.buffer.policy == "priority":
             self.score()
+        seconds = time.perf_counter() - start
+        engine = seconds if given is None else self.turns.learn_seconds_total - given
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              time.perf_counter() - start, examples, by_domain, time.time(), outcome)
+                              seconds, examples, by_domain, time.time(), outcome, engine)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
 
@@ -443,6 +467,7 @@ class OnlineLearner:
         if not objective.examples:
             return None
         candidate = self.learnable.copy(serving)  # the serving draft is never touched
+        self.learnable.adapt(candidate, records)
         optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
         if self._optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
             optimizer.load_state_dict(self._optimizer_state)
@@ -456,7 +481,8 @@ class OnlineLearner:
 
         def after_step(i: int, loss: float) -> None:
             self.steps_done += 1
-            if share < 1.0:  # sleep so that computing takes at most `share` of wall time
+            self._pause_point()
+            if share < 1.0 and self.turns is None:  # sleep so that computing takes at most `share` of wall time
                 time.sleep((time.perf_counter() - tick[0]) * (1.0 - share) / share)
             tick[0] = time.perf_counter()
 
@@ -469,8 +495,13 @@ class OnlineLearner:
         draft's (less ``gate_margin``), pooled and, with several domains, on each."""
         metrics, distill, margin = self.learnable.metrics, self.config.distill, self.config.gate_margin
         held_out = [r for rs in groups.values() for r in rs]
-        before, after = metrics(serving, held_out, distill), metrics(candidate, held_out, distill)
-        by_domain = ({d: [metrics(serving, rs, distill)["alpha"], metrics(candidate, rs, distill)["alpha"]] for d, rs in groups.items()}
+
+        def measured(model, records):
+            self._pause_point()
+            return metrics(model, records, distill)
+
+        before, after = measured(serving, held_out), measured(candidate, held_out)
+        by_domain = ({d: [measured(serving, rs)["alpha"], measured(candidate, rs)["alpha"]] for d, rs in groups.items()}
                      if len(groups) > 1 else {})
         passed = after["alpha"] >= before["alpha"] - margin and all(a >= b - margin for b, a in by_domain.values())
         return before, after, by_domain, passed

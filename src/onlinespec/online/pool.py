@@ -54,6 +54,7 @@ from onlinespec.online.learnable import learnable
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.storage import atomic_write
+from onlinespec.online.turns import EngineTurns
 from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
 
 log = logging.getLogger("onlinespec.pool")
@@ -212,6 +213,7 @@ class DraftPool:
         suffix_file: str = SUFFIX_FILE,
         owns: Callable[[str], bool] | None = None,
         keeps_buffers: bool | None = None,
+        turns: EngineTurns | None = None,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
@@ -225,7 +227,8 @@ class DraftPool:
         Ray replica keeps its own). ``owns(name)``: whether this pool may purge draft ``name``'s
         files on disk while it is not in memory (default: every draft; a Ray learner group, its own).
         ``keeps_buffers``: whether the buffers under ``out_dir/buffer`` are this pool's to purge
-        (default: unless ``learners`` puts them elsewhere; a Ray replica's never are)."""
+        (default: unless ``learners`` puts them elsewhere; a Ray replica's never are). ``turns``: the
+        serving engine's, in which this process's learners compute (:mod:`onlinespec.online.turns`)."""
         self.out_dir = Path(out_dir)
         self.new_draft, self.learner_config = new_draft, learner
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
@@ -234,6 +237,7 @@ class DraftPool:
         self._learners = learners or self._local_learner
         self._keeps_buffers = learners is None if keeps_buffers is None else keeps_buffers
         self.owns = owns or (lambda name: True)
+        self.turns = turns
         self.suffix_purged = 0  # indexed requests purged (by request or by age)
         self._swept_at = time.monotonic()  # the last retention sweep of the drafts on disk only
         self._saved_at = 0.0
@@ -292,7 +296,8 @@ class DraftPool:
                               identity=self.identity.get("tokenizer", ""))
         registry = DraftRegistry(self.out_dir / "drafts" / name)
         return OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
-                             on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot, origin=origin)
+                             on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot, origin=origin,
+                             turns=self.turns)
 
     def store(self, name: str, records: list, new_tokens: int) -> bool:
         """Store a request's records (made where it was served) with draft ``name``'s learner,

@@ -53,6 +53,11 @@ def health_lines(label: str, result: dict) -> list[str]:
         lines += ["", f"{label}: draft {name}: {len(failures)} updates failed; the last: {failures[-1]}"]
     for name, reason in learner.get("learners_stopped", {}).items():
         lines += ["", f"{label}: draft {name}: the learner stopped: {reason}"]
+    share = learner.get("learning", {})
+    if "share_limit" in share:
+        lines += ["", f"Learning ({label}): {share['engine_seconds']:.1f} s of the engine's time in {share['turns']} turns; share "
+                  f"spent over the last 30 s {share['share_spent']:.1%} (allowed under load {share['share_limit']:.1%}); update "
+                  "interval backoff by draft: " + (", ".join(f"{k} x{v}" for k, v in share.get("backoff", {}).items()) or "none")]
     governance = result.get("governance")
     if governance:
         lines += ["", f"Training data ({label}): " + ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in governance.items())]

@@ -51,10 +51,12 @@ from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_target
+from onlinespec.online.controller import LearnController
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.content import ContentConfig
 from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
 from onlinespec.online.storage import EventLog, OutDirLock, kill_point
+from onlinespec.online.turns import EngineTurns
 from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.metrics import ServeMetrics
@@ -97,6 +99,8 @@ class CoreConfig:
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
     suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
+    learn_share: float | None = 0.1  # under load, the most of the engine's wall time updates take (in its turns,
+    # onlinespec.online.turns; idle: all of it); None: updates run beside serving in a thread at low priority
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -111,6 +115,8 @@ class CoreConfig:
             raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
         if self.suffix_tokens < 0:
             raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
+        if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
+            raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
 
     @property
     def retention_seconds(self) -> float | None:
@@ -307,6 +313,8 @@ class ServingCore:
         self._on_event = on_event
         self._lock = threading.Lock()
         self._wake = threading.Condition()
+        self.turns: EngineTurns | None = None  # set once loaded (learning in the engine's turns)
+        self.controller: LearnController | None = None
         self._handles: dict[int, Handle] = {}
         self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
@@ -376,13 +384,18 @@ class ServingCore:
         router = Router(config.router if learning and (content or config.router != "content") else "single", config.max_drafts,
                         saved_drafts(self.out_dir) if learning else ())
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
+        self.turns = None if self.replica or not learning or config.learn_share is None else \
+            EngineTurns(config.learn_share, on_wanted=self._notify_engine)  # a Ray replica's learners are actors
+        self.controller = LearnController(config.learn_share) if self.turns is not None else None  # learn when it pays
+        if self.turns is not None:
+            self.metrics.learn_share_limit.set(config.learn_share)
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
                               config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
                               suffix_tokens=config.suffix_tokens if learning else 0,
                               content=config.content if content else None, max_in_memory=config.max_drafts,
                               learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica)
+                              keeps_buffers=not self.replica, turns=self.turns)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.static
@@ -421,6 +434,8 @@ class ServingCore:
         with self._wake:
             self._wake.notify_all()
         self._loop_thread.join(60)
+        if self.turns is not None:  # no engine gives turns any more: an update still running ends (cancelled) freely
+            self.turns.close()
         while not self._calls.empty():  # calls that came too late for the engine thread
             self._calls.get_nowait()[1].set_exception(Unavailable("the server is shutting down"))
         self._finished.put(None)
@@ -591,24 +606,42 @@ class ServingCore:
 
     # ---- the engine loop (one thread) ----------------------------------------------------------
 
+    def _notify_engine(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _learn(self, idle: bool) -> None:
+        """Give the learner a turn (onlinespec.online.turns): when idle, whenever it wants one; under
+        load, while the share of the engine's time spent learning is below --learn-share."""
+        turns = self.turns
+        if turns is not None and (turns.due() if not idle else turns.wanted()):
+            self.metrics.learn_seconds.inc(turns.give())
+            self.metrics.learn_share.set(turns.spent())
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self.scheduler.has_work and not self._stopping and self._calls.empty():
+                while (not self.scheduler.has_work and not self._stopping and self._calls.empty()
+                       and not (self.turns is not None and self.turns.wanted())):
                     self._wake.wait(0.25)
                     self._expire()
             self._run_calls()
             if self._stopping and not self.scheduler.has_work:
                 return
             if not self.scheduler.has_work:
+                self._learn(idle=True)
                 continue
             self._expire()
+            tick = time.perf_counter()
             try:
                 advanced, report = self.scheduler.step()
             except Exception as err:  # two failed steps in a row (Scheduler.step): fail their requests, never the service
                 logging.getLogger("onlinespec.serve").exception("a step failed")
                 self._reset(f"{type(err).__name__}: {err}")
                 continue
+            if self.turns is not None:
+                self.turns.served(time.perf_counter() - tick)
+                self._learn(idle=False)
             kill_point("serve.step")
             self.metrics.running.set(len(self.scheduler.running))
             self.metrics.waiting.set(len(self.scheduler.waiting))
@@ -740,6 +773,8 @@ class ServingCore:
                         self.pool.busy, recorded, route.cluster if route else None, home.name if route else None, self.replica,
                         self.config.speculation_details)
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
+        if self.controller is not None and draft.learner is not None:
+            self._control(self.controller.served(draft.name, draft.version, stats.new_tokens, stats.target_calls))
         self.metrics.serving(draft.name, draft.version)
         if home.suffix is not None:
             self.metrics.suffix_tokens.labels(home.name).set(home.suffix.tokens)
@@ -792,6 +827,19 @@ class ServingCore:
         if self.pool.content is not None:
             self.metrics.routing(event, self.pool)
         self.event({**event, "requests_served": self._served})
+        if self.controller is not None and event["event"] in ("update", "hurried"):
+            self._control(self.controller.updated(name, event["version"], event["parent"], event["engine_seconds"])
+                          if event["event"] == "update" else self.controller.drift(name))
+
+    def _control(self, decisions: list[dict]) -> None:
+        """Carry out the learning controller's decisions: each draft's update interval, the engine's share."""
+        for decision in decisions:
+            draft = self.pool.drafts.get(decision["draft"])
+            if draft is not None and draft.learner is not None:
+                draft.learner.backoff = decision["backoff"]
+            self.turns.share = self.controller.share()
+            self.metrics.learn_share_limit.set(self.turns.share)
+            self.event({**decision, "requests_served": self._served})
 
     def drafts(self) -> list[dict]:
         """Every draft: what it serves, its versions (with their metadata), its learner's state."""
@@ -824,7 +872,14 @@ class ServingCore:
         return self.pool.routing()
 
     def learning(self) -> dict:
-        return {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
+        """Whether the drafts learn, and the engine time it takes: the share allowed now (the
+        controller's, at most --learn-share), the share spent over the last 30 s, the seconds given."""
+        state = {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
+        if self.turns is not None:
+            state.update(share_limit=round(self.turns.share, 4), share_spent=round(self.turns.spent(), 4),
+                         engine_seconds=round(self.turns.learn_seconds_total, 3), turns=self.turns.turns_total,
+                         backoff={name: d.learner.backoff for name, d in self.pool.drafts.items() if d.learner is not None})
+        return state
 
     def governance(self) -> dict:
         """What the core did with the training data (:meth:`DraftPool.governance`)."""

@@ -1,0 +1,94 @@
+"""The learner computes only in the engine's turns: never beside a step, within the share under
+load, freely once the engine stops. Real threads; a fake clock only where a share is counted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from onlinespec.online.turns import EngineTurns
+
+
+def _learner(turns: EngineTurns, units: int, busy: list, overlaps: list, unit_seconds: float = 0.002) -> threading.Thread:
+    def run() -> None:
+        turns.take()
+        try:
+            for _ in range(units):
+                busy.append("learn")
+                if "serve" in busy[:-1]:
+                    overlaps.append(True)
+                time.sleep(unit_seconds)
+                busy.remove("learn")
+                turns.checkpoint()
+        finally:
+            turns.done()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_learning_and_serving_never_compute_at_once_and_every_unit_runs():
+    turns = EngineTurns(share=0.5, slice_seconds=0.01)
+    busy, overlaps = [], []
+    learner = _learner(turns, 40, busy, overlaps)
+    deadline = time.monotonic() + 30
+    while learner.is_alive() and time.monotonic() < deadline:
+        busy.append("serve")  # a step
+        if "learn" in busy[:-1]:
+            overlaps.append(True)
+        time.sleep(0.003)
+        busy.remove("serve")
+        turns.served(0.003)
+        if turns.due():
+            turns.give()
+    learner.join(1)
+    assert not learner.is_alive() and not overlaps
+    assert turns.turns_total >= 2  # the update was cut into several turns
+
+
+def test_under_load_the_share_spent_stays_near_the_limit():
+    now = [0.0]
+    turns = EngineTurns(share=0.2, slice_seconds=0.05, clock=lambda: now[0])
+    waiting = threading.Event()
+    turns.on_wanted = waiting.set
+    stop = threading.Event()
+
+    def learner() -> None:
+        turns.take(stop.is_set)
+        while not stop.is_set():
+            now[0] += 0.05  # one 50 ms unit
+            turns.checkpoint(stop.is_set)
+        turns.done()
+
+    thread = threading.Thread(target=learner, daemon=True)
+    thread.start()
+    assert waiting.wait(5)
+    for _ in range(600):  # 30 s of 50 ms steps on the fake clock
+        now[0] += 0.05
+        turns.served(0.05)
+        if turns.due():
+            turns.give()
+    assert turns.spent() == pytest.approx(0.2, abs=0.05)
+    stop.set()
+    turns.close()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_closed_engine_lets_a_waiting_learner_finish():
+    turns = EngineTurns(share=0.1)
+    busy, overlaps = [], []
+    learner = _learner(turns, 3, busy, overlaps)
+    time.sleep(0.05)
+    assert turns.wanted()
+    turns.close()  # shutdown: nobody gives turns any more
+    learner.join(5)
+    assert not learner.is_alive()
+
+
+def test_a_share_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="learning share"):
+        EngineTurns(share=0.0)
