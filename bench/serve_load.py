@@ -27,13 +27,13 @@ DOMAINS = ("chat", "code", "math_ml")
 SERVERS = {"speculative": ["--static"], "target_alone": ["--draft", "none"]}
 
 
-def send(client, model: str, query, max_tokens: int, extra: dict | None = None) -> dict:
-    """One streamed, greedy request; what the client saw (``extra``: more body fields)."""
+def send(client, model: str, query, max_tokens: int, extra: dict | None = None, headers: dict | None = None) -> dict:
+    """One streamed, greedy request; what the client saw (``extra``: more body fields; ``headers``: more headers)."""
     started = time.perf_counter()
     first, text, usage, error = None, [], None, None
     try:
         kwargs = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-                      extra_body={"domain": query.domain, **(extra or {})})
+                      extra_body={"domain": query.domain, **(extra or {})}, extra_headers=headers)
         if query.messages:
             stream = client.chat.completions.create(messages=list(query.messages), **kwargs)
         else:
