@@ -25,6 +25,7 @@ Writes docs/cold-start.json and docs/cold-start.png; docs/online-learning.md quo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `onlinespec serve` flags for every server")
     parser.add_argument("--out", default="runs/cold-start")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--merge", action="store_true", help="replace only --configs' runs in the JSON (the same trace: same --n and capacity)")
     args = parser.parse_args()
     path = DOCS / "cold-start.json"
     if args.report_only:
@@ -164,23 +166,26 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         queries = held_out(args.n)
-        rate = args.load * capacity(args, queries[: 3 * args.max_batch], out)
+        previous = json.loads(path.read_text()) if args.merge and path.exists() else None
+        rate = previous["rate_per_s"] if previous else args.load * capacity(args, queries[: 3 * args.max_batch], out)
         rng = random.Random(0)
         arrivals, t = [], 0.0
         for _ in queries:
             t += rng.expovariate(rate)
             arrivals.append(t)
-        runs = {}
+        runs = dict(previous["runs"]) if previous else {}
         for name in args.configs.split(","):
             rows, updates, control = open_loop(name, args, queries, arrivals, out)
             runs[name] = {"blocks": blocks(rows, args.block), "updates": len(updates),
                           "published": sum(1 for u in updates if u.get("version")), "controller": control[-20:],
                           "texts": {r["id"]: r["text"] for r in rows}}
-        first = next(iter(runs.values()))["texts"]
+        texts = {name: run.pop("texts") for name, run in runs.items() if "texts" in run}
+        digests = {n: {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in t.items()} for n, t in texts.items()}
+        for name, run in runs.items():
+            run["text_sha256"] = digests.get(name, run.get("text_sha256", {}))
+        first = next(iter(runs.values()))["text_sha256"]
         for run in runs.values():
-            run["identical_to_first"] = sum(run["texts"][k] == first[k] for k in first)
-        for run in runs.values():
-            run.pop("texts")
+            run["identical_to_first"] = sum(run["text_sha256"].get(k) == first[k] for k in first)
         summary = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "n": args.n, "load": args.load,
                    "rate_per_s": rate, "max_tokens": args.max_tokens, "server_args": args.server_args, "runs": runs}
         path.write_text(json.dumps(summary, indent=1))

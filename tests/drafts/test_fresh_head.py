@@ -57,6 +57,7 @@ def test_a_fresh_head_chooses_its_vocabulary_from_served_text_and_reloads_it(tin
 
     record = DistillRecord([40, 41, 40, 42, 40, 41], [1, 2], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1), 2)
     copy = head.clone()
+    assert learnable(copy).cold(copy)  # trained at the warm-up's learning rate (LearnerConfig.cold_lr)
     learnable(copy).adapt(copy, [record])
     assert head.vocab_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 63]  # the serving head is never touched
     assert {40, 41, 42, 63} <= set(copy.vocab_ids.tolist()) and len(copy.vocab_ids) == 8
@@ -89,6 +90,9 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     assert comparison["n_requests"] == 4 and comparison["identical"] == 4  # online, static and target alone: token for token
     published = [u for u in result["updates"] if u["version"]]
     assert published, result["updates"]
+    learning = result["learner"]["learning"]  # the updates ran in the engine's turns, and say what they took
+    assert learning["share_limit"] == 0.1 and learning["turns"] > 0 and learning["engine_seconds"] > 0
+    assert all(u["engine_seconds"] > 0 for u in published)
     from onlinespec.online.registry import DraftRegistry
 
     assert DraftRegistry(tmp_path / "run" / "drafts" / "code").current() == published[-1]["version"]

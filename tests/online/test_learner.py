@@ -88,7 +88,7 @@ class _SplitVerdict(OnlineLearner):
         serving, real = self._latest[0], self.learnable
 
         class Judge:
-            copy, load, adapt = real.copy, real.load, real.adapt
+            copy, load, adapt, cold = real.copy, real.load, real.adapt, real.cold
 
             def objective(self, records, positions, depth, config):
                 return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)

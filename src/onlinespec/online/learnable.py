@@ -47,6 +47,9 @@ class LearnableDraft(Protocol):
     def adapt(self, model: torch.nn.Module, records: Sequence[DistillRecord]) -> None:
         """Fit a private copy's fixed choices to the traffic in ``records`` before it trains."""
 
+    def cold(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` started from nothing (it trains at the warm-up's learning rate)."""
+
 
 class _Strict:
     def load(self, model, state, source):
@@ -54,6 +57,9 @@ class _Strict:
 
     def adapt(self, model, records):
         pass
+
+    def cold(self, model):
+        return False
 
 
 class DraftLM(_Strict):
@@ -77,6 +83,9 @@ class HeadDraft(_Strict):
 
     def metrics(self, model, records, config):
         return head_metrics(model, records, config)
+
+    def cold(self, model):
+        return model.config.vocab_from_traffic
 
     def adapt(self, model, records):
         """A fresh head's vocabulary: the tokens the served text (prompts and the target's

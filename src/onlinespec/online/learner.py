@@ -54,6 +54,7 @@ class LearnerConfig:
     steps_per_update: int = 40
     batch_size: int = 32  # examples per step: chain starts for a feature head, records for a draft LM
     lr: float = 5e-5  # measured best of 3e-4, 1e-4, 5e-5 on a familiar and an unseen domain (docs/faster-drafts.md)
+    cold_lr: float = 1e-3  # a draft that starts from nothing (a fresh head): the offline warm-up's rate (docs/drafts.md)
     gate_fraction: float = 0.2  # the newest share of the buffer's records, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
@@ -71,8 +72,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.position_policy not in POSITION_POLICIES:
             raise ValueError(f"unknown position policy {self.position_policy!r}: use one of {POSITION_POLICIES}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"the learning rate must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.cold_lr) and self.cold_lr > 0):
+            raise ValueError(f"the learning rate must be a positive number, got lr {self.lr}, cold_lr {self.cold_lr}")
         if not 0.0 < self.gate_fraction < 1.0:
             raise ValueError(f"gate_fraction must lie in (0, 1), got {self.gate_fraction}")
         if not (math.isfinite(self.gate_margin) and self.gate_margin >= 0):
@@ -166,6 +167,7 @@ class OnlineLearner:
         self.pinned = False  # an operator pinned the serving version: updates still run, none publishes
         self._unloadable: str | None = None  # a version another process made CURRENT that would not load
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
+        self._waited = 0.0  # seconds the update in flight waited for the engine's turns
         self.backoff = 1  # updates every backoff x I units: set by the controller when updates stop earning (onlinespec.online.controller)
         current = self._recover()
         if current is None:
@@ -394,7 +396,7 @@ class OnlineLearner:
     def _pause_point(self) -> None:
         """Between two units of work (an optimizer step, an evaluation): the engine's turn, if it ran out."""
         if self.turns is not None:
-            self.turns.checkpoint(self._cancel.is_set)
+            self._waited += self.turns.checkpoint(self._cancel.is_set)
 
     def _update(self) -> None:
         serving_threads = torch.get_num_threads()
@@ -425,7 +427,7 @@ class OnlineLearner:
 
     def _run_update(self) -> None:
         start = time.perf_counter()
-        given = self.turns.learn_seconds_total if self.turns is not None else None  # one update at a time holds turns
+        self._waited = 0.0  # for the engine's next turn (onlinespec.online.turns)
         with self._lock:
             records, records_seen = self.buffer.records(), self._records_seen
         if len(records) < 2:
@@ -454,9 +456,8 @@ class OnlineLearner:
         if self.buffer.policy == "priority":
             self.score()
         seconds = time.perf_counter() - start
-        engine = seconds if given is None else self.turns.learn_seconds_total - given
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              seconds, examples, by_domain, time.time(), outcome, engine)
+                              seconds, examples, by_domain, time.time(), outcome, seconds - self._waited)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
 
@@ -468,11 +469,12 @@ class OnlineLearner:
             return None
         candidate = self.learnable.copy(serving)  # the serving draft is never touched
         self.learnable.adapt(candidate, records)
-        optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=self.config.lr)
+        lr = self.config.cold_lr if self.learnable.cold(serving) else self.config.lr  # a draft nobody trained: the warm-up's rate
+        optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=lr)
         if self._optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
             optimizer.load_state_dict(self._optimizer_state)
             for group in optimizer.param_groups:
-                group["lr"] = self.config.lr
+                group["lr"] = lr
         generator = torch.Generator().manual_seed(len(self.reports))
         n, size = len(objective.examples), min(self.config.batch_size, len(objective.examples))
         batches = ([objective.examples[i] for i in torch.randint(n, (size,), generator=generator).tolist()]

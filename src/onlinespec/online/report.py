@@ -55,7 +55,8 @@ def health_lines(label: str, result: dict) -> list[str]:
         lines += ["", f"{label}: draft {name}: the learner stopped: {reason}"]
     share = learner.get("learning", {})
     if "share_limit" in share:
-        lines += ["", f"Learning ({label}): {share['engine_seconds']:.1f} s of the engine's time in {share['turns']} turns; share "
+        lines += ["", f"Learning ({label}): {share['engine_seconds']:.1f} s of the engine's time in {share['turns']} turns "
+                  f"(the longest {share.get('longest_turn_seconds', 0):.2f} s); share "
                   f"spent over the last 30 s {share['share_spent']:.1%} (allowed under load {share['share_limit']:.1%}); update "
                   "interval backoff by draft: " + (", ".join(f"{k} x{v}" for k, v in share.get("backoff", {}).items()) or "none")]
     governance = result.get("governance")

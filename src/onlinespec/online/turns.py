@@ -46,6 +46,7 @@ class EngineTurns:
         self._at = clock()
         self.learn_seconds_total = 0.0
         self.turns_total = 0
+        self.longest_turn_seconds = 0.0  # a unit is never cut: the longest turn is the most a step waited for learning
 
     # ---- the learner's side --------------------------------------------------------------------
 
@@ -66,13 +67,16 @@ class EngineTurns:
             finally:
                 self._waiting -= 1
 
-    def checkpoint(self, cancelled: Callable[[], bool] = lambda: False) -> None:
-        """Between two units of work: go on while the turn lasts, else hand it back and wait for the next."""
+    def checkpoint(self, cancelled: Callable[[], bool] = lambda: False) -> float:
+        """Between two units of work: go on while the turn lasts, else hand it back and wait for
+        the next; the seconds it waited."""
         with self._cond:
             if self._holder != threading.get_ident() or self.clock() < self._until:
-                return
+                return 0.0
         self.done()
+        start = self.clock()
         self.take(cancelled)
+        return self.clock() - start
 
     def done(self) -> None:
         """Hand the turn back (the update ended, or the turn ran out)."""
@@ -116,6 +120,7 @@ class EngineTurns:
         self._learn += seconds
         self.learn_seconds_total += seconds
         self.turns_total += 1
+        self.longest_turn_seconds = max(self.longest_turn_seconds, seconds)
         return seconds
 
     def spent(self) -> float:

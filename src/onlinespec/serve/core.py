@@ -878,6 +878,7 @@ class ServingCore:
         if self.turns is not None:
             state.update(share_limit=round(self.turns.share, 4), share_spent=round(self.turns.spent(), 4),
                          engine_seconds=round(self.turns.learn_seconds_total, 3), turns=self.turns.turns_total,
+                         longest_turn_seconds=round(self.turns.longest_turn_seconds, 3),
                          backoff={name: d.learner.backoff for name, d in self.pool.drafts.items() if d.learner is not None})
         return state
 
