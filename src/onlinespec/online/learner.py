@@ -1,4 +1,4 @@
-# Over 500 lines: the update loop, its gate and its CPU budget in one place; the budget becomes the engine's learning slices with issue 27.
+# Over 500 lines: the update loop, its gate, and its two CPU budgets (the engine's turns, or a thread at a priority) in one place.
 """The online learner (arXiv 2310.07177, section 4.2): every I requests, distil a private copy of the serving
 draft on the replay buffer in the background, gate it on held-out recent records of every domain, publish it to
 the registry and hand it to the proposer, which takes it between two rounds.
@@ -118,8 +118,8 @@ class UpdateReport:
     by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
     ended_at: float = 0.0  # wall-clock time
     outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
-    engine_seconds: float = 0.0  # the engine's time it took (its turns; without turns, its wall time)
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
+    engine_seconds: float = 0.0  # the compute time it took (its wall time less its waits for the engine's turns)
 
 
 class OnlineLearner:
@@ -142,8 +142,8 @@ class OnlineLearner:
         ``identity`` (target, draft spec, tokenizer) goes into every published version's
         metadata; a registry written for another identity is refused. ``origin``: where the
         proposer's weights came from, for an empty registry's first version (default: the starting
-        draft; a draft spawned by the content router names the draft and version it copied).``turns``: the serving engine's (:mod:`onlinespec.online.turns`): the update thread computes
-        only in turns the engine gives it, on every core, never beside a step."""
+        draft; a draft spawned by the content router names the draft and version it copied). ``turns``: the serving engine's (:mod:`onlinespec.online.turns`):
+        the update thread computes only in turns the engine gives it, on every core, never beside a step."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
         self.on_event, self.slot = on_event or (lambda event: None), slot
         self.config = config or LearnerConfig()
@@ -384,13 +384,14 @@ class OnlineLearner:
     def _budget(self) -> None:
         """The learner thread's CPU budget: its torch threads and its priority; in the engine's
         turns, every core (serving waits meanwhile) and no lower priority."""
+        if self.background:
+            name_thread("onlinespec-learn")
         if self.turns is not None:
             torch.set_num_threads(len(os.sched_getaffinity(0)))
             self.turns.take(self._cancel.is_set)
             return
         torch.set_num_threads(self.config.threads)
         if self.background:
-            name_thread("onlinespec-learn")
             lower_priority(self.config.priority)
 
     def _pause_point(self) -> None:
@@ -427,7 +428,7 @@ class OnlineLearner:
 
     def _run_update(self) -> None:
         start = time.perf_counter()
-        self._waited = 0.0  # for the engine's next turn (onlinespec.online.turns)
+        self._waited = 0.0
         with self._lock:
             records, records_seen = self.buffer.records(), self._records_seen
         if len(records) < 2:

@@ -614,9 +614,11 @@ class ServingCore:
         """Give the learner a turn (onlinespec.online.turns): when idle, whenever it wants one; under
         load, while the share of the engine's time spent learning is below --learn-share."""
         turns = self.turns
-        if turns is not None and (turns.due() if not idle else turns.wanted()):
+        if turns is None:
+            return
+        if turns.due() if not idle else turns.wanted():
             self.metrics.learn_seconds.inc(turns.give())
-            self.metrics.learn_share.set(turns.spent())
+        self.metrics.learn_share.set(turns.spent())
 
     def _loop(self) -> None:
         while True:
