@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import random
+import shutil
 import sys
 import threading
 import time
@@ -64,6 +65,7 @@ def open_loop(name: str, args, queries, arrivals: list[float], out: Path) -> lis
     from onlinespec.serve.server import ServerProcess
     from serve_load import send
 
+    shutil.rmtree(out / name, ignore_errors=True)  # every run starts from nothing learnt
     server_args = [*CONFIGS[name], "--out-dir", str(out / name), "--max-batch", str(args.max_batch), "--max-waiting", "512",
                    *args.server_args]
     sent: dict[str, dict] = {}
