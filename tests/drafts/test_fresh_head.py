@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onlinespec.drafts.feature_head import FeatureHead, traffic_vocab
+from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
 from onlinespec.online.learnable import learnable
 from onlinespec.weights import load_weights
 
@@ -42,11 +42,11 @@ def other_target(tmp_path_factory):
     return folder
 
 
-def test_traffic_vocab_keeps_its_size_the_ids_it_must_and_the_most_used():
+def test_frequent_vocab_keeps_its_size_the_ids_it_must_and_the_most_used():
     counts = torch.zeros(20)
     counts[[7, 3, 15]] = torch.tensor([5.0, 9.0, 1.0])
-    assert traffic_vocab(counts, 5, [19]).tolist() == [0, 3, 7, 15, 19]  # then unseen ids, lowest first
-    assert traffic_vocab(torch.zeros(20), 4, [2]).tolist() == [0, 1, 2, 3]
+    assert frequent_vocab(counts, 5, [19]).tolist() == [0, 3, 7, 15, 19]  # then unseen ids, lowest first
+    assert frequent_vocab(torch.zeros(20), 4, [2]).tolist() == [0, 1, 2, 3]
 
 
 def test_a_fresh_head_chooses_its_vocabulary_from_served_text_and_reloads_it(tiny_llama, tmp_path):

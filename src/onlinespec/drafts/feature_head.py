@@ -154,8 +154,8 @@ class FeatureHead(nn.Module):
         learns from the target's verifications of live traffic). Its vocabulary starts as the
         tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the
         tokenizer's training text) plus ``eos_ids``, and is chosen again from served text at each
-        update (:func:`traffic_vocab`)."""
-        start = traffic_vocab(torch.zeros(target.config.vocab_size), vocab_size, eos_ids)
+        update (:func:`frequent_vocab`)."""
+        start = frequent_vocab(torch.zeros(target.config.vocab_size), vocab_size, eos_ids)
         return cls.for_target(target, start, vocab_from_traffic=True, keep_ids=sorted(eos_ids), **overrides)
 
     def save(self, path: str | os.PathLike[str], metadata: dict | None = None) -> Path:
@@ -200,14 +200,6 @@ def is_feature_head(path: str | os.PathLike[str]) -> bool:
 
 
 def frequent_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:
-    """The ``size`` most frequent token ids (plus ``always``, e.g. EOS), sorted."""
-    size = min(size, len(token_counts))
-    top = torch.topk(token_counts.float(), size).indices
-    ids = torch.unique(torch.cat([top, torch.tensor(list(always), dtype=torch.long)]))
-    return ids
-
-
-def traffic_vocab(token_counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:
     """Exactly ``size`` token ids, sorted: ``always`` (e.g. EOS), then the most frequent in
     ``token_counts``, ties (unseen tokens included) going to the lower id."""
     n = len(token_counts)

@@ -20,7 +20,7 @@ import torch
 
 from onlinespec.distill.records import DistillRecord
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
-from onlinespec.drafts.feature_head import FeatureHead, traffic_vocab
+from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.weights import load_weights
 
@@ -89,12 +89,12 @@ class HeadDraft(_Strict):
 
     def adapt(self, model, records):
         """A fresh head's vocabulary: the tokens the served text (prompts and the target's
-        answers) used most, and the ones it always keeps (:func:`traffic_vocab`)."""
+        answers) used most, and the ones it always keeps (:func:`frequent_vocab`)."""
         if not model.config.vocab_from_traffic or not records:
             return
         counts = torch.bincount(torch.tensor([t for r in records for t in r.token_ids], dtype=torch.long),
                                 minlength=model.config.vocab_size or model.out_weight.shape[0])
-        model.choose_vocab(traffic_vocab(counts, len(model.vocab_ids), model.config.keep_ids))
+        model.choose_vocab(frequent_vocab(counts, len(model.vocab_ids), model.config.keep_ids))
 
 
 def learnable(model: torch.nn.Module) -> LearnableDraft:
