@@ -166,3 +166,22 @@ def test_chain_training_lowers_the_loss(tiny_target):
     assert losses[-1] < 0.7 * losses[0]
     # every start position has at least one step, and no step crosses a sequence end
     assert bool((task.starts + 1 < task.end[task.starts]).all())
+
+
+def test_the_gates_figures_do_not_depend_on_how_many_positions_are_scored_at_once(tiny_target):
+    # head_metrics scores the held-out positions in chunks (its memory must not grow with the buffer)
+    from onlinespec.distill.records import DistillRecord
+    from onlinespec.drafts.train import head_metrics
+
+    torch.manual_seed(0)
+    records = []
+    for i in range(6):
+        ids = torch.randint(0, 6, (9,)).tolist()
+        top = torch.randn(8, 6).log_softmax(-1).topk(3)
+        records.append(DistillRecord(ids, list(range(1, 9)), top.indices, top.values, 3, request_id=str(i), rejected=[False] * 8,
+                                     features=torch.randn(8, tiny_target.config.hidden_size).half()))
+    head = random_head(tiny_target)
+    whole, chunked = head_metrics(head, records, DistillConfig(), chunk=10_000), head_metrics(head, records, DistillConfig(), chunk=7)
+    assert whole.keys() == chunked.keys()
+    assert all(abs(whole[k] - chunked[k]) < 1e-5 for k in whole), (whole, chunked)
+    assert 0 < whole["alpha"] < 1

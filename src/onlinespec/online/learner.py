@@ -18,6 +18,8 @@ priority.
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import logging
 import math
 import os
@@ -42,6 +44,17 @@ from onlinespec.online.storage import kill_point
 from onlinespec.online.turns import EngineTurns
 
 UNITS = ("requests", "records", "tokens")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap an update freed back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+    An update's tensors grow with the replay buffer and are freed when it ends, but glibc keeps
+    freed pages in the learner thread's arena: without this the server's resident memory keeps
+    every update's high-water mark (docs/reliability.md, the soak)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 log = logging.getLogger("onlinespec.learner")
 
 
@@ -414,6 +427,7 @@ class OnlineLearner:
                 self.slot.release()
             if not self.background:  # the update ran on the serving thread: give it its threads back
                 torch.set_num_threads(serving_threads)
+            return_freed_memory()
 
     def _failed(self, error: str) -> None:
         self.failures.append(error)
