@@ -36,7 +36,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from onlinespec.api import engine_options, make_proposer, new_decoder  # noqa: E402
+from onlinespec.factory import engine_options, make_proposer, new_decoder  # noqa: E402
 from onlinespec.benchmark import divergence_gap, machine_info  # noqa: E402
 from onlinespec.data import read_queries_jsonl  # noqa: E402
 from onlinespec.decoding.runners.llamacpp import cpu_threads  # noqa: E402

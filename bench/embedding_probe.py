@@ -16,7 +16,7 @@ import random
 import torch
 
 from onlinespec.data.sources import stream_pools
-from onlinespec.data.streams import split
+from onlinespec.data.splits import split
 from onlinespec.models import load_model
 from onlinespec.tokens import encode_prompt
 

@@ -50,7 +50,7 @@ DOMAIN_ORDER = ("code", "math_ml", "chat")
 def pools(tokenizer, split_name: str) -> dict:
     """Per domain, the split's queries whose prompt fits ``MAX_PROMPT_TOKENS`` (deterministic order)."""
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import split
+    from onlinespec.data.splits import split
     from onlinespec.tokens import encode_prompt
 
     raw = stream_pools(DOMAIN_ORDER)
@@ -100,7 +100,7 @@ def train_reference(target, original: Path, signal, fraction: float) -> Path:
     """The starting draft distilled offline on the first ``fraction`` of each domain's stream answers."""
     import torch
 
-    from onlinespec.api import load_head
+    from onlinespec.factory import load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
     from onlinespec.drafts.train import ChainConfig, ChainTask
@@ -174,10 +174,10 @@ def replay_stream(target, heads: dict, signal) -> dict:
 
 def online_versions(target, original: Path, result: dict, run_dir: Path) -> dict:
     """The online draft as it stood at the end of each domain segment of the abrupt stream, and at the end."""
-    from onlinespec.api import load_head
+    from onlinespec.factory import load_head
     from onlinespec.online.registry import DraftRegistry
     from onlinespec.weights import load_weights
-    from onlinespec.routing import SHARED
+    from onlinespec.routing.domains import SHARED
 
     registry = DraftRegistry(run_dir / "drafts" / SHARED)
     rows = result["requests"]
@@ -201,7 +201,7 @@ def main() -> None:
     if args.report_only:
         report(json.loads((WORK / "results.json").read_text()))
         return
-    from onlinespec.api import load_head
+    from onlinespec.factory import load_head
     from onlinespec.models import load_model
 
     target = load_model("default", "float32")

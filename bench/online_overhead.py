@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
 from onlinespec.data.sources import packaged_prompts
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder

@@ -57,7 +57,7 @@ def reference(target, signal, name: str) -> Path:
     """The packaged head distilled offline on ``signal`` (cached under WORK/name)."""
     import torch
 
-    from onlinespec.api import DEFAULT_HEAD, load_head
+    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
     from onlinespec.drafts.train import ChainConfig, ChainTask
@@ -102,7 +102,7 @@ def catch_up(online: list[float], ref: list[float]) -> int | None:
 def main() -> None:
     import torch
 
-    from onlinespec.api import DEFAULT_HEAD, load_head
+    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.drafts.train import replay_acceptance
     from onlinespec.models import load_model
     from onlinespec.online.registry import DraftRegistry

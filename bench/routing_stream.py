@@ -36,7 +36,7 @@ import torch
 
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.streams import segments
-from onlinespec.data.streams import split as split_queries
+from onlinespec.data.splits import split as split_queries
 from onlinespec.metrics import bootstrap_ratio
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.report import routing_report

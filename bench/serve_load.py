@@ -125,7 +125,7 @@ def held_out(n: int) -> list:
     import random
 
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import split
+    from onlinespec.data.splits import split
 
     pools = {d: split(q, "heldout") for d, q in stream_pools(DOMAINS).items()}
     for d, pool in pools.items():

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from onlinespec.data.sources import stream_pools
-from onlinespec.data.streams import split as split_queries
+from onlinespec.data.splits import split as split_queries
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.serve.core import CoreConfig, ServingCore
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.api import DEFAULT_HEAD, load_head
+from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.data.sources import stream_pools
-from onlinespec.data.streams import split
+from onlinespec.data.splits import split
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.drafts.train import ChainConfig, ChainTask
 from onlinespec.models import load_model

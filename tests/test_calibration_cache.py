@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import onlinespec.api as api
-from onlinespec.api import engine_options
+import onlinespec.factory as api
+from onlinespec.factory import engine_options
 from onlinespec.models import LoadedModel
 
 

@@ -210,7 +210,7 @@ def test_a_failing_request_is_an_error_row_and_the_run_still_reports(tmp_path, t
 
 
 def test_data_purge_refuses_a_folder_a_server_holds(tmp_path):
-    from onlinespec.online.storage import OutDirLock
+    from onlinespec.storage import OutDirLock
 
     with OutDirLock(tmp_path):
         result = runner.invoke(app, ["data", "purge", "--out-dir", str(tmp_path), "--older-than-days", "30"])

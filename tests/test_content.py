@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from onlinespec.content import STATIC, ContentConfig, ContentRouter, PageHinkley
+from onlinespec.routing.content import STATIC, ContentConfig, ContentRouter, PageHinkley
 
 
 def domain_embeddings(seed: int = 0, dim: int = 64, noise: float = 0.12):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from onlinespec.routing import SHARED, Router, draft_name
+from onlinespec.routing.domains import SHARED, Router, draft_name
 
 
 def test_domain_router_gives_each_domain_its_own_draft_up_to_the_cap():

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from onlinespec.api import DEFAULT_DRAFT, DEFAULT_K
+from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K
 from onlinespec.benchmark import BenchConfig
-from onlinespec.content import ContentConfig
+from onlinespec.routing.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.safety import command_line, private_files
@@ -64,7 +64,7 @@ def generate(
     stats: Annotated[bool, typer.Option("--stats", help="print per-request statistics to stderr")] = False,
 ) -> None:
     """Generate text for one prompt, streaming it to stdout."""
-    from onlinespec.api import load_decoder
+    from onlinespec.factory import load_decoder
 
     params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
     with console.status("loading models"):
@@ -344,7 +344,15 @@ def serve(
                               tenant_header=tenant_header, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
     where = f", {replicas} replicas on Ray" if scale else ""
     console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
-    _user_errors(lambda: run_server(core, out_dir, host, port, settings, scale))
+    if scale is None:
+        from onlinespec.serve.core import ServingCore
+
+        make_core = functools.partial(ServingCore, core, out_dir)
+    else:
+        from onlinespec.scale import RayCore
+
+        make_core = functools.partial(RayCore, core, out_dir, scale)
+    _user_errors(lambda: run_server(make_core, host, port, settings))
 
 
 def _keys(value: str | None, path: Path | None, option: str) -> list[str]:
@@ -391,7 +399,8 @@ def demo(
     compares the three."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import abrupt_shifts, split
+    from onlinespec.data.streams import abrupt_shifts
+    from onlinespec.data.splits import split
     from onlinespec.serve.server import ServerProcess
     from onlinespec.stream import HTTPClient, OnlineConfig, drive
 
@@ -690,7 +699,8 @@ def data_stream(
     """Export a query stream of packaged real data with a domain-shift schedule."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix, split
+    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
+    from onlinespec.data.splits import split
 
     def build():
         pools = {d: split(pool, split_name) for d, pool in stream_pools(domains.split(",")).items()}
@@ -717,7 +727,7 @@ def data_purge(
     draft's replay buffer and suffix index, the content router's state and every event log. A server running on
     --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
     from onlinespec.online.pool import purge_saved
-    from onlinespec.online.storage import OutDirBusy, OutDirLock
+    from onlinespec.storage import OutDirBusy, OutDirLock
 
     if (request_id is None) == (older_than_days is None):
         console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
@@ -754,7 +764,7 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
 
 def _user_errors(fn):
     """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
-    from onlinespec.online.storage import OutDirBusy
+    from onlinespec.storage import OutDirBusy
     from onlinespec.serve.core import LoadFailed
 
     try:

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from onlinespec.decoding.adaptive import AdaptiveK, PlanRow, plan_step, proposal_budget
 from onlinespec.decoding.batch_cache import BatchKVCache
-from onlinespec.decoding.calibrate import CostCurve
+from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.proposers.base import Proposal
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer

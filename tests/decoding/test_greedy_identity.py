@@ -11,7 +11,7 @@ other; the test checks that every divergence is such a near-tie.
 import pytest
 import torch
 
-from onlinespec.api import engine_options, make_proposer
+from onlinespec.factory import engine_options, make_proposer
 from onlinespec.benchmark import NEAR_TIE, divergence_gap
 from onlinespec.data import packaged_prompts
 from onlinespec.decoding.autoregressive import autoregressive_decoder

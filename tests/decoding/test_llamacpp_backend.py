@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onlinespec.api import engine_options, make_proposer, new_decoder
+from onlinespec.factory import engine_options, make_proposer, new_decoder
 from onlinespec.backends import resolve_backend, resolve_device
 from onlinespec.benchmark import NEAR_TIE, divergence_gap
 from onlinespec.data import packaged_prompts

@@ -154,7 +154,7 @@ def test_the_hybrid_asks_the_learned_draft_for_at_most_learned_k_tokens(tiny_dra
 def test_a_save_taken_before_a_purge_never_lands_after_it(tmp_path):
     import threading
 
-    from onlinespec.online import storage
+    from onlinespec import storage
 
     index = SuffixIndex()
     index.add([1, 2, 3, 4], "secret")
@@ -166,7 +166,7 @@ def test_a_save_taken_before_a_purge_never_lands_after_it(tmp_path):
         release.wait(5)
         write(p, data)
 
-    import onlinespec.online.storage as module
+    import onlinespec.storage as module
     module.atomic_write = slow_write
     try:
         housekeeping = threading.Thread(target=index.save, args=(path,))

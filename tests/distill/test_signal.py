@@ -9,7 +9,7 @@ from onlinespec.data.sources import Query
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

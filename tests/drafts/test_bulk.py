@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from onlinespec.drafts import bulk
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

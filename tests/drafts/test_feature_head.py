@@ -14,7 +14,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.losses import bucket_log_probs
 from onlinespec.distill.step import DistillConfig
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.drafts.train import ChainTask
 
 from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, empirical, exact_distribution, fit
@@ -123,7 +123,7 @@ def test_saving_over_a_head_never_leaves_a_half_written_one(tiny_target, tmp_pat
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("onlinespec.drafts.feature_head.save_file", crash)
+    monkeypatch.setattr("onlinespec.decoding.feature_head.save_file", crash)
     with pytest.raises(RuntimeError):
         random_head(tiny_target, seed=9).save(tmp_path / "head")
     assert (tmp_path / "head" / "feature_head.safetensors").read_bytes() == before

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
 from onlinespec.online.learnable import learnable
 from onlinespec.weights import load_weights
 
@@ -72,7 +72,7 @@ def test_a_fresh_head_chooses_its_vocabulary_from_served_text_and_reloads_it(tin
 
 
 def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tmp_path, monkeypatch):
-    from onlinespec.api import load_decoder
+    from onlinespec.factory import load_decoder
     from onlinespec.data import Query
     from onlinespec.online.learner import LearnerConfig
     from onlinespec.serve.core import CoreConfig

@@ -18,7 +18,7 @@ KILL_AT = os.environ.pop("ONLINESPEC_KILL_AT", "")  # before onlinespec reads it
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.online.storage import arm_kill_points
+from onlinespec.storage import arm_kill_points
 from onlinespec.serve.core import CoreConfig, ServingCore
 
 

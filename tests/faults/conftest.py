@@ -18,7 +18,7 @@ import torch
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.online.storage import KILL_ENV
+from onlinespec.storage import KILL_ENV
 from onlinespec.serve.core import ServingCore
 from onlinespec.weights import unique_tensors
 

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from onlinespec.online.storage import EventLog
+from onlinespec.storage import EventLog
 
 
 def _lines(log: EventLog) -> list[dict]:

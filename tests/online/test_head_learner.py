@@ -9,7 +9,7 @@ from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.step import DistillConfig
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.drafts.train import chain_task, records_to_signal
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner

@@ -10,7 +10,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import DraftPool
-from onlinespec.routing import Router
+from onlinespec.routing.domains import Router
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -64,7 +64,7 @@ def test_a_spawned_draft_starts_from_its_parent_and_its_first_version_says_so(ti
 
 
 def test_a_draft_a_merge_retires_while_it_serves_leaves_memory_once_it_is_done(tiny_llama, tmp_path):
-    from onlinespec.content import ContentConfig
+    from onlinespec.routing.content import ContentConfig
 
     new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
     pool = DraftPool(new_draft, tmp_path, learner=LearnerConfig(update_interval=100, priority="normal"), content=ContentConfig())
@@ -106,7 +106,7 @@ def test_an_offline_purge_reaches_routing_state_and_every_event_log(tmp_path):
     (rotated files included), and nothing else goes."""
     import json
 
-    from onlinespec.content import ContentRouter
+    from onlinespec.routing.content import ContentRouter
     from onlinespec.online.pool import ROUTING_FILE, purge_saved
     from tests.test_content import domain_embeddings, serve
 

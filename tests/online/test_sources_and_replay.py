@@ -11,7 +11,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.data import Query
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.distill.step import DistillConfig
 from onlinespec.drafts.train import ChainConfig, ChainTask, chain_task, replay_acceptance
 from onlinespec.online.buffer import ReplayBuffer

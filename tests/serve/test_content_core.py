@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from onlinespec.content import ContentConfig
+from onlinespec.routing.content import ContentConfig
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model

@@ -566,7 +566,7 @@ def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0, sp
     """``n`` English queries spread evenly over ``domains``, interleaved round-robin.
 
     ``split``: draw only from that split (``warmup``, ``online`` or ``heldout``; see
-    :func:`onlinespec.data.streams.split_of`); evaluate a warmed draft on ``heldout``.
+    :func:`onlinespec.data.splits.split_of`); evaluate a warmed draft on ``heldout``.
 
     Pools: chat = ShareGPT chat + chitchat; code = HumanEval + ShareGPT code; math =
     GSM-Symbolic English. Each pool is shuffled with ``random.Random(f"{seed}:{domain}")``
@@ -584,7 +584,7 @@ def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0, sp
         want = n // len(domains) + (i < n % len(domains))
         pool = pools[domain]
         if split is not None:
-            from onlinespec.data.streams import split as split_queries
+            from onlinespec.data.splits import split as split_queries
 
             pool = split_queries(pool, split)
         if want > len(pool):

@@ -1,7 +1,5 @@
-"""Deterministic splits and query streams (arXiv 2310.07177, section 5: online, shifts, mixes).
-
-Splits are decided by a hash of each query's id, so a query keeps its split when pools grow or
-shrink, and the warm-up, online and held-out splits never overlap.
+"""Query streams (arXiv 2310.07177, section 5: online, shifts, mixes); the splits they draw from
+are :mod:`onlinespec.data.splits`.
 
 Streams:
 - :func:`abrupt_shifts`: domain A for ``every`` records, then B, then C ... (Figure 4);
@@ -13,34 +11,10 @@ A single-domain stream is ``abrupt_shifts({d: pool}, every=n)``.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Mapping, Sequence
 
 from onlinespec.data.sources import Query
-
-SPLITS = ("warmup", "online", "heldout")
-
-
-def split_of(query_id: str, fractions: Sequence[float] = (0.5, 0.3, 0.2), salt: str = "onlinespec") -> str:
-    """The split of a query: warm-up, online stream or held-out evaluation, from a hash of its id."""
-    if len(fractions) != len(SPLITS) or abs(sum(fractions) - 1.0) > 1e-9 or min(fractions) < 0:
-        raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {tuple(fractions)}")
-    u = int.from_bytes(hashlib.sha256(f"{salt}:{query_id}".encode()).digest()[:8], "big") / 2**64
-    edge = 0.0
-    for name, fraction in zip(SPLITS, fractions):
-        edge += fraction
-        if u < edge:
-            return name
-    return SPLITS[-1]
-
-
-def split(queries: Sequence[Query], name: str, fractions: Sequence[float] = (0.5, 0.3, 0.2)) -> list[Query]:
-    """The queries of one split, in their original order."""
-    if name not in SPLITS:
-        raise ValueError(f"unknown split {name!r}: use one of {SPLITS}")
-    return [q for q in queries if split_of(q.id, fractions) == name]
-
 
 def abrupt_shifts(pools: Mapping[str, Sequence[Query]], every: int | Mapping[str, int], seed: int = 0) -> list[Query]:
     """``every`` queries of each domain in turn (or ``every[domain]``), in the mapping's order

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onlinespec.decoding.calibrate import CONTEXTS, CostCurve
+from onlinespec.decoding.cost_curve import CONTEXTS, CostCurve
 from onlinespec.decoding.proposers.base import Proposal
 
 BINS = 10

@@ -38,7 +38,7 @@ import torch
 from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
-from onlinespec.decoding.calibrate import CostCurve
+from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.proposers.base import DraftInput, Proposal
 from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
 from onlinespec.decoding.runners import TargetRunner

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.calibrate import CostCurve
+from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.request import Generation, RequestState, RequestStats, RoundTiming, RoundTrace, StreamChunk

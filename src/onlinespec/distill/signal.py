@@ -172,7 +172,7 @@ def build_signal(
 ) -> Signal:
     """Generate (or load from the cache, when ``cache_as`` names the target) the signal for ``queries``.
 
-    ``student``: a :class:`~onlinespec.drafts.feature_head.FeatureHead` (needed by ``student`` and
+    ``student``: a :class:`~onlinespec.decoding.feature_head.FeatureHead` (needed by ``student`` and
     ``mixed``); ``student_tag`` identifies its weights in the cache key.
     """
     if config.source in ("student", "mixed") and student is None:

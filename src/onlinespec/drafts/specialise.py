@@ -27,7 +27,7 @@ import torch
 from onlinespec.data.sources import Query
 from onlinespec.distill.losses import LOSSES
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.drafts.feature_head import WEIGHTS_FILE, FeatureHead
+from onlinespec.decoding.feature_head import WEIGHTS_FILE, FeatureHead
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 from onlinespec.drafts.warmup import heldout_signal, signal_key, warmup_queries
 from onlinespec.models import LoadedModel
@@ -84,7 +84,7 @@ def one_hot(signal: Signal) -> Signal:
 
 
 def run_distill(target: LoadedModel, start: str | Path, run: DistillRun, out_dir: str | Path | None = None, progress: bool = True) -> dict:
-    from onlinespec.api import load_head
+    from onlinespec.drafts.heads import load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
 

@@ -1,6 +1,6 @@
 """The warm-up recipe: which queries a new draft learns from, and the signal built from them.
 
-Only the ``warmup`` split is used (:func:`onlinespec.data.streams.split_of`), so the online
+Only the ``warmup`` split is used (:func:`onlinespec.data.splits.split_of`), so the online
 stream and the held-out evaluation never see a warm-up query. English maths has only 47 warm-up
 problems, so maths also gets a few sampled continuations per problem and the same problems in
 other languages (only templates whose English version is in the warm-up split: a translation of
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from onlinespec.data.sources import Query, english_pools, load_gsm_symbolic, packaged_prompts
-from onlinespec.data.streams import split, split_of
+from onlinespec.data.splits import split, split_of
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig, Trainer
-from onlinespec.drafts.feature_head import FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 from onlinespec.models import LoadedModel, cache_dir, tokenizer_fingerprint
 

@@ -1,7 +1,7 @@
 """The replay buffer Q of one draft: bounded, with a retention policy, persisted record by record.
 
 ``add`` writes the record to its own safetensors file (temp file, fsync, rename, fsync the
-folder: :func:`onlinespec.online.storage.commit`) before it returns True: an acknowledged record
+folder: :func:`onlinespec.storage.commit`) before it returns True: an acknowledged record
 survives a crash or SIGKILL, and a half-written file is never mistaken for a record.
 
 On start the folder is read back. A file that is not a record, or a record that cannot be read
@@ -42,7 +42,7 @@ import logging
 
 from onlinespec.distill.records import DistillRecord
 from onlinespec.online.recorder import STUDENT_MARK
-from onlinespec.online.storage import atomic_write, commit, kill_point
+from onlinespec.storage import atomic_write, commit, kill_point
 
 log = logging.getLogger("onlinespec.buffer")
 

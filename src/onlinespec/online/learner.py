@@ -40,7 +40,7 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import LearnableDraft, learnable
 from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.online.storage import kill_point
+from onlinespec.storage import kill_point
 from onlinespec.online.turns import EngineTurns
 
 UNITS = ("requests", "records", "tokens")

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from onlinespec.content import STATIC, ContentConfig, ContentRouter
+from onlinespec.routing.content import STATIC, ContentConfig, ContentRouter
 from onlinespec.cpu import lower_priority, name_thread
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
@@ -53,9 +53,9 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import learnable
 from onlinespec.online.learner import LearnerConfig, OnlineLearner, UpdateReport
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.online.storage import atomic_write
+from onlinespec.storage import atomic_write
 from onlinespec.online.turns import EngineTurns
-from onlinespec.routing import MAX_DRAFTS, SHARED, Router, draft_name
+from onlinespec.routing.domains import MAX_DRAFTS, SHARED, Router, draft_name
 
 log = logging.getLogger("onlinespec.pool")
 
@@ -175,7 +175,7 @@ def purge_saved(out_dir: str | Path, request_id: str | None = None, before: floa
     recorded before ``before``), for ``onlinespec data purge``: every draft's replay buffer (its
     quarantine included) and suffix indices, the content router's far prompts, and every event
     log (the server's, each Ray replica's and learner's, rotated files included)."""
-    from onlinespec.online.storage import drop_events
+    from onlinespec.storage import drop_events
 
     root = Path(out_dir)
     records = purge_saved_buffers(root, request_id, before)
@@ -219,7 +219,7 @@ class DraftPool:
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
         (target, draft spec, tokenizer fingerprint) is stored with every record and version.
         ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing).
-        ``content``: route by content (:mod:`onlinespec.content`; needs ``learner``), with at
+        ``content``: route by content (:mod:`onlinespec.routing.content`; needs ``learner``), with at
         most ``max_in_memory`` drafts in memory (the idlest others wait in their registries).
         ``learners(name, proposer, origin)``: where a draft's learner lives (default: here, with its buffer
         under ``out_dir/buffer/<name>``; a Ray replica passes a client of its learner actor).
@@ -483,7 +483,7 @@ class DraftPool:
         waiting = [learner for learner in self.learners if learner.due]
         return not self.paused and bool(waiting) and min(waiting, key=lambda learner: learner.due_since).maybe_update()
 
-    # ---- content routing (onlinespec.content) -----------------------------------------------------
+    # ---- content routing (onlinespec.routing.content) -----------------------------------------------------
 
     def _start_content(self, config: ContentConfig, max_in_memory: int) -> None:
         if self.learner_config is None:

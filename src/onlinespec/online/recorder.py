@@ -16,7 +16,7 @@ Which rows are kept:
 Positions at or past the end of the final output (cut by EOS, a stop string or max_new_tokens)
 are dropped too.
 
-Feature heads (:mod:`onlinespec.drafts.feature_head`) learn along chains of consecutive
+Feature heads (:mod:`onlinespec.decoding.feature_head`) learn along chains of consecutive
 positions, so when the trace carries the target's features the record keeps EVERY verified row
 (with the feature at ``t - 1`` of each and a flag for the rejection rows); the position policy
 is then applied by the learner when it picks the chains' starting points.

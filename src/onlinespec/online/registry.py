@@ -8,7 +8,7 @@ Layout under the registry folder::
     quarantine/               versions found unreadable on start (never served)
 
 A version folder is written under a temporary name, fsynced, renamed into place and the folder
-fsynced; CURRENT is replaced the same way (:mod:`onlinespec.online.storage`). A crash at any
+fsynced; CURRENT is replaced the same way (:mod:`onlinespec.storage`). A crash at any
 moment leaves every published version loadable and CURRENT naming one of them. Versions are
 numbered, and ordered by number (``v10000`` follows ``v9999``).
 
@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from onlinespec.online.storage import atomic_write, file_lock, fsync_dir, kill_point
+from onlinespec.storage import atomic_write, file_lock, fsync_dir, kill_point
 from onlinespec.weights import unique_tensors
 
 log = logging.getLogger("onlinespec.registry")

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from onlinespec.metrics import moving_average  # noqa: E402
-from onlinespec.routing import SHARED  # noqa: E402
+from onlinespec.routing.domains import SHARED  # noqa: E402
 
 
 def write_report(results: dict[str, dict], out_dir: str | Path, title: str, command: str = "") -> Path:

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.online.storage import EventLog, OutDirLock
+from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.core import CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable

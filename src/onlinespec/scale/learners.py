@@ -29,14 +29,14 @@ from pathlib import Path
 import ray
 import torch
 
-from onlinespec.api import make_proposer
+from onlinespec.factory import make_proposer
 from onlinespec.models import load_model
 from onlinespec.online.learner import LearnerConfig, load_version
 from onlinespec.online.pool import DraftPool, learner_row, saved_drafts
 from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.online.storage import EventLog, OutDirLock
-from onlinespec.routing import Router
+from onlinespec.storage import EventLog, OutDirLock
+from onlinespec.routing.domains import Router
 from onlinespec.serve.core import CoreConfig, NotFound, ServeError, operate
 from onlinespec.tokens import tokenizer_fingerprint
 

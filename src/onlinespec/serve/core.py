@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.api import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K, engine_options, make_proposer
+from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K, engine_options, make_proposer
 from onlinespec.cpu import ENGINE_THREAD, name_thread
 from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
 from onlinespec.decoding.request import Generation, RequestState, RequestStats
@@ -53,11 +53,11 @@ from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.controller import LearnController
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.content import ContentConfig
+from onlinespec.routing.content import ContentConfig
 from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
-from onlinespec.online.storage import EventLog, OutDirLock, kill_point
+from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.online.turns import EngineTurns
-from onlinespec.routing import MAX_DRAFTS, RESERVED, ROUTERS, Router
+from onlinespec.routing.domains import MAX_DRAFTS, RESERVED, ROUTERS, Router
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint

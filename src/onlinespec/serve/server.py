@@ -17,19 +17,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import uvicorn
 
 from onlinespec.serve.app import ServerSettings, create_app
-from onlinespec.serve.core import CoreConfig, ServingCore
+from onlinespec.serve.core import ServingCore
 
 
-def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-          settings: ServerSettings | None = None, scale=None) -> None:
+def serve(make_core: Callable[[], ServingCore], host: str = "127.0.0.1", port: int = 8000,
+          settings: ServerSettings | None = None) -> None:
     """Serve until SIGTERM / SIGINT (blocking). Request log lines (one JSON object each) go to stderr.
-    ``scale`` (a :class:`onlinespec.scale.ScaleConfig`): serve from replicas on Ray instead of this process."""
+    ``make_core`` builds what serves the requests: a :class:`ServingCore` in this process, or
+    replicas on Ray (``onlinespec.scale.RayCore``; the CLI chooses, so serving never imports scale)."""
     settings = settings or ServerSettings()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -37,13 +39,7 @@ def serve(config: CoreConfig, out_dir: str | Path, host: str = "127.0.0.1", port
     requests_log.addHandler(handler)
     requests_log.setLevel(logging.INFO)
     requests_log.propagate = False
-    if scale is None:
-        core = ServingCore(config, out_dir)
-    else:
-        from onlinespec.scale import RayCore
-
-        core = RayCore(config, out_dir, scale)
-    app = create_app(core, settings)
+    app = create_app(make_core(), settings)
     _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                            timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
 

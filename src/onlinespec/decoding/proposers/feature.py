@@ -1,4 +1,4 @@
-"""Proposals from a feature-conditioned head (:mod:`onlinespec.drafts.feature_head`), for a batch.
+"""Proposals from a feature-conditioned head (:mod:`onlinespec.decoding.feature_head`), for a batch.
 
 The engine hands the proposer the target's post-norm hidden state at each request's last verified
 position after every round (:meth:`observe`, kept in the request's :class:`HeadState`); the head
@@ -16,7 +16,7 @@ import torch
 
 from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
-from onlinespec.drafts.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead
 
 
 @dataclass

@@ -275,7 +275,7 @@ class SuffixIndex:
         length, request id and arrival time)."""
         from safetensors.numpy import save
 
-        from onlinespec.online.storage import atomic_write
+        from onlinespec.storage import atomic_write
 
         with self._save_lock:  # a purge's save never lands before an older snapshot's
             with self._lock:

@@ -21,7 +21,7 @@ from onlinespec.decoding.batch_cache import forward as batch_forward
 from onlinespec.decoding.kvcache import truncate_cache
 
 if TYPE_CHECKING:  # the cost curve's module measures runners
-    from onlinespec.decoding.calibrate import CostCurve
+    from onlinespec.decoding.cost_curve import CostCurve
 
 DEFAULT_CONTEXT = 2048  # a model config that names no context length
 

@@ -43,14 +43,14 @@ from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
-from onlinespec.drafts.feature_head import FeatureHead, is_feature_head
-from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer_hash, load_draft, load_target, tokenizer_fingerprint
-from onlinespec.online.storage import atomic_write
+from onlinespec.decoding.feature_head import FeatureHead, is_feature_head
+from onlinespec.drafts.heads import DEFAULT_HEAD, load_head
+from onlinespec.models import LoadedModel, cache_dir, load_draft, load_target, tokenizer_fingerprint
+from onlinespec.storage import atomic_write
 from onlinespec.tokens import eos_token_ids
 
 log = logging.getLogger("onlinespec")
 
-DEFAULT_HEAD = Path(__file__).parent / "assets" / "default-head"
 FRESH = "fresh"  # "hybrid:fresh", "head:fresh": a head born from the target, not the packaged one
 
 # Chosen by measured end-to-end speed on 60 held-out prompts (docs/default-bench.md): 1.63x the
@@ -101,17 +101,6 @@ def packaged_head_fits(target: LoadedModel) -> bool:
 def fresh_head(target: LoadedModel) -> FeatureHead:
     """A head nobody trained (:meth:`FeatureHead.fresh`): it learns from the first requests."""
     return FeatureHead.fresh(target.model, eos_token_ids(target.model, target.tokenizer)).eval()
-
-
-def load_head(folder: str | Path, target: LoadedModel) -> FeatureHead:
-    """A saved feature head, checked against the target it is asked to draft for."""
-    folder = Path(folder)
-    if not is_feature_head(folder):
-        hint = " (build it with `onlinespec warmup`)" if folder == DEFAULT_HEAD else ""
-        raise FileNotFoundError(f"no feature head in {folder}{hint}")
-    info = FeatureHead.info(folder)
-    check_same_tokenizer_hash(info.get("tokenizer"), target.tokenizer, str(folder))
-    return FeatureHead.load(folder, target.model)
 
 
 def load_decoder(

@@ -11,7 +11,7 @@ stream file or an API caller states it) to a draft name:
   stream with thousands of domain labels cannot exhaust memory;
 - ``content``: no label needed: requests are clustered by what the target computed for their
   prompt, and each cluster is served by the draft that scores best on it
-  (:mod:`onlinespec.content`, docs/routing.md).
+  (:mod:`onlinespec.routing.content`, docs/routing.md).
 
 Draft names are folder names on disk (registry and buffer), so a domain label is kept to a safe
 set of characters; ``static`` and ``none`` name the server's baselines (the starting draft kept
@@ -48,7 +48,7 @@ class Router:
         self._own: list[str] = [name for name in known if name != SHARED][:max_drafts]  # drafts a restart finds on disk
 
     def __call__(self, domain: str) -> str:
-        if self.policy != "domain":  # content routing is the pool's (onlinespec.content): a label is only a hint
+        if self.policy != "domain":  # content routing is the pool's (onlinespec.routing.content): a label is only a hint
             return SHARED
         name = draft_name(domain)
         if name in self._own:
