@@ -129,7 +129,7 @@ LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, 
 def online_run(name: str, queries: list, original: Path, compare_every: int) -> dict:
     """Serve ``queries`` with the online system (the learner in the background, at low priority)."""
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.serve.core import CoreConfig
+    from onlinespec.serve.config import CoreConfig
     from onlinespec.stream import OnlineConfig
 
     core = CoreConfig(

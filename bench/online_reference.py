@@ -78,7 +78,7 @@ def reference(target, signal, name: str) -> Path:
 def live_run(queries: list, name: str, learner: dict) -> dict:
     """Serve the stream with the online system (cached in WORK/live-NAME/result.json)."""
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.serve.core import CoreConfig
+    from onlinespec.serve.config import CoreConfig
     from onlinespec.stream import OnlineConfig
 
     config = OnlineConfig(CoreConfig(k=K, adaptive_k=False, learner=LearnerConfig(**learner)), max_new_tokens=NEW_TOKENS)

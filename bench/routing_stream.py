@@ -40,7 +40,7 @@ from onlinespec.data.splits import split as split_queries
 from onlinespec.metrics import bootstrap_ratio
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.report import routing_report
-from onlinespec.serve.core import CoreConfig
+from onlinespec.serve.config import CoreConfig
 from onlinespec.stream import OnlineConfig, pooled_alpha, run_stream
 
 WORK = Path("runs/routing-stream")

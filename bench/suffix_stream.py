@@ -39,7 +39,7 @@ from onlinespec.data.streams import abrupt_shifts
 from onlinespec.data.splits import split as split_queries
 from onlinespec.metrics import bootstrap_ratio, moving_average
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.serve.core import CoreConfig
+from onlinespec.serve.config import CoreConfig
 from onlinespec.stream import OnlineConfig, run_stream
 from onlinespec.stream import pooled_alpha as alpha
 

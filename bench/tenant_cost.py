@@ -24,7 +24,8 @@ from pathlib import Path
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split as split_queries
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.serve.core import CoreConfig, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
 
 WORK = Path("runs/tenant-cost")
 

@@ -27,7 +27,7 @@ from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.safety import command_line, private_files
 from onlinespec.serve.app import ServerSettings
-from onlinespec.serve.core import CoreConfig
+from onlinespec.serve.config import CoreConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
@@ -765,7 +765,7 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
 def _user_errors(fn):
     """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
     from onlinespec.storage import OutDirBusy
-    from onlinespec.serve.core import LoadFailed
+    from onlinespec.serve.handles import LoadFailed
 
     try:
         return fn()

@@ -34,7 +34,9 @@ from typing import Protocol
 from onlinespec.data import Query
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.metrics import bootstrap_ratio, median_ratio, moving_average
-from onlinespec.serve.core import STATIC, TARGET_ALONE, CoreConfig, Served, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
+from onlinespec.serve.handles import STATIC, TARGET_ALONE, Served
 
 MOVING_AVERAGE = 50
 STATS = ("acceptance_rate", "tau", "accepted", "judged", "new_tokens", "seconds", "tokens_per_s")

@@ -75,7 +75,7 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     from onlinespec.factory import load_decoder
     from onlinespec.data import Query
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.serve.core import CoreConfig
+    from onlinespec.serve.config import CoreConfig
     from onlinespec.stream import OnlineConfig, run_stream
 
     monkeypatch.setenv("ONLINESPEC_CACHE", str(tmp_path / "cache"))

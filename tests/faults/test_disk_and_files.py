@@ -111,7 +111,7 @@ def test_a_restart_with_another_target_is_refused_at_start_up(run_child, tiny_ta
     """Another target spec (here the same folder under another name: the registry cannot tell
     it is the same model) on an out-dir whose drafts were trained for the first: refused when
     the core loads, not at the domain's first request."""
-    from onlinespec.serve.core import LoadFailed
+    from onlinespec.serve.handles import LoadFailed
 
     out = tmp_path / "run"
     assert run_child(out, n=2).returncode == 0

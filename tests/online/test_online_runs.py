@@ -83,7 +83,7 @@ def test_sigkill_during_an_update_then_restart_serves_the_last_published_version
 def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_target_folder, tmp_path, monkeypatch, one_thread):
     from onlinespec.data import Query
     from onlinespec.online.learner import LearnerConfig
-    from onlinespec.serve.core import CoreConfig
+    from onlinespec.serve.config import CoreConfig
     from onlinespec.stream import OnlineConfig, run_stream
 
     monkeypatch.setenv("ONLINESPEC_CACHE", str(tmp_path / "cache"))

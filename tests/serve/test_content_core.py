@@ -13,7 +13,8 @@ from onlinespec.models import load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.pool import ROUTING_FILE
-from onlinespec.serve.core import CoreConfig, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
 
 GREEDY = SamplingParams(temperature=0.0)
 # two kinds of text whose prompt states lie far apart in the tiny target (its weights are random)

@@ -9,7 +9,9 @@ import pytest
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.serve.core import CoreConfig, Failed, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
+from onlinespec.serve.handles import Failed
 
 
 @pytest.fixture

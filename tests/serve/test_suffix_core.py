@@ -13,7 +13,8 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
 from onlinespec.online.pool import SUFFIX_FILE
-from onlinespec.serve.core import CoreConfig, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -76,7 +77,7 @@ def test_an_unreadable_index_is_set_aside_and_another_tokenizers_stops_start_up(
     import pytest
 
     from onlinespec.decoding.proposers.suffix import SuffixIndex
-    from onlinespec.serve.core import LoadFailed
+    from onlinespec.serve.handles import LoadFailed
 
     core = start(tiny_target_folder, tmp_path / "run")
     name = core.submit("x = 1", GREEDY, max_tokens=4, request_id="a").result().draft

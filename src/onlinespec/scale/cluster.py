@@ -44,8 +44,10 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
-from onlinespec.serve.core import CoreConfig, Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.handles import Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
 from onlinespec.serve.metrics import PREFIX
+from onlinespec.serve.operations import purge_cutoff, require_learning
 from onlinespec.tokens import Prompt
 
 log = logging.getLogger("onlinespec.scale")
@@ -435,8 +437,7 @@ class RayCore:
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
         """As :meth:`ServingCore.operate`, through the learner actors; a rollback or a pin is
         served by every ready replica when this returns."""
-        if not self.config.learning:
-            raise ServeError("this server does not learn (started with --static or --draft none)", code="not_learning")
+        require_learning(self.config)
         if action in ("pause", "resume"):
             self._learner_call("operate", action)
             result = self.learning()
@@ -453,11 +454,7 @@ class RayCore:
         return result
 
     def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
-        if (request_id is None) == (older_than_days is None):
-            raise ServeError("give exactly one of request_id and older_than_days", code="invalid_purge")
-        if older_than_days is not None and not older_than_days >= 0:
-            raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
-        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        before = purge_cutoff(request_id, older_than_days)
         removed = sum(self._learner_call("purge", request_id, before)) if self.learners else 0
         replicas = self._ready_replicas()
         if len(replicas) < len(self.replicas):

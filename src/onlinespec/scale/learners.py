@@ -37,7 +37,9 @@ from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.routing.domains import Router
-from onlinespec.serve.core import CoreConfig, NotFound, ServeError, operate
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.handles import NotFound, ServeError
+from onlinespec.serve.operations import operate
 from onlinespec.tokens import tokenizer_fingerprint
 
 log = logging.getLogger("onlinespec.scale")
@@ -166,7 +168,7 @@ class LearnerService:
         return {"paused": self.pool.paused, "busy": self.pool.busy}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict | ServeError:
-        """An operator's action (:func:`onlinespec.serve.core.operate`); an error comes back as a
+        """An operator's action (:func:`onlinespec.serve.operations.operate`); an error comes back as a
         value (a :class:`ServeError`), so that the front maps it to its HTTP status."""
         try:
             if name is not None and name not in self.pool.drafts:

@@ -25,7 +25,9 @@ import torch
 from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.scale.learners import RemoteLearner, group_of
-from onlinespec.serve.core import CoreConfig, Served, ServeError, ServingCore
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.core import ServingCore
+from onlinespec.serve.handles import Served, ServeError
 
 ACCEPTED = "accepted"  # submit's answer when the replica queued the request
 GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to send one step's events together
@@ -56,7 +58,7 @@ class ReplicaService:
         # origin (a draft spawned from another) is content routing's, which runs in one process only
         actor = self.learners[group_of(name, len(self.learners))]
         return RemoteLearner(name, proposer, actor, DraftRegistry(Path(self.core.out_dir) / "drafts" / name), self.core.config.learner,
-                             on_event=lambda event: self.core._learner_event({**event, "draft": name}))
+                             on_event=lambda event: self.core.learner_event({**event, "draft": name}))
 
     async def ready(self) -> dict:
         core = self.core
@@ -129,7 +131,7 @@ class ReplicaService:
         suffix = {n: d.suffix.stats() for n, d in core.pool.drafts.items() if d.suffix is not None}
         baselines = [{"name": n, "version": d.version, "learning": False} for n, d in core.baselines.items()]
         return {"replica": self.replica, "pid": os.getpid(), "status": core.status, "versions": self.versions(),
-                "suffix_index": suffix, "baselines": baselines, "governance": core.governance(), "served": core._served}
+                "suffix_index": suffix, "baselines": baselines, "governance": core.governance(), "served": core.requests_served}
 
     async def metrics(self) -> str:
         text = self.core.metrics.text()

@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onlinespec.safety import check_label, key_tenant, same_key, shown
-from onlinespec.serve.core import Delta, Handle, NotFound, Overloaded, Served, ServeError, ServingCore
+from onlinespec.serve.core import ServingCore
+from onlinespec.serve.handles import Delta, Handle, NotFound, Overloaded, Served, ServeError
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 
 POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) client is still there

@@ -1,4 +1,3 @@
-# Over 500 lines: the serving core's threads, handles, errors and events together; carving it (serve/handles.py, routing/) is issue 29.
 """The serving core: one target, its drafts, one engine loop and the online learners.
 
 Everything that serves goes through :class:`ServingCore`: the HTTP server
@@ -7,12 +6,15 @@ demo (a stream sent over HTTP). None keeps a loop of its own.
 
 Threads::
 
-    callers (any thread)  submit / cancel / admin   -->  scheduler queue
-    engine loop (one)     admit, engine.step, push each request's new text to its handle;
-                          a published draft is swapped in between two steps
+    callers (any thread)  submit / cancel / admin   -->  scheduler queue (checks: admission.py)
+    engine loop (one)     admit, engine.step, push each request's new text to its handle; a published
+                          draft is swapped in between two steps; learning's turns (learning.py)
     recorder (one)        finished request -> its draft's durable replay buffer -> the handle
-                          completes: a client never sees an answer whose record is not on disk
+                          completes: a client never sees an answer whose record is not on disk (recorder.py)
+    housekeeping (one)    retention; a CURRENT another process changed (operations.py)
     learners (pool)       background updates (arXiv 2310.07177, section 4.2), gate, registry
+
+Callers get back handles, events and errors (:mod:`onlinespec.serve.handles`).
 
 A failure inside a step fails the requests of that step with a clear error, resets the batch
 cache and the loop goes on; an update that fails publishes nothing. Neither stops the service.
@@ -28,259 +30,37 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K, engine_options, make_proposer
+from onlinespec.factory import engine_options, make_proposer
 from onlinespec.cpu import ENGINE_THREAD, name_thread
-from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine
-from onlinespec.decoding.request import Generation, RequestState, RequestStats
+from onlinespec.decoding.engine import SpeculativeEngine
+from onlinespec.decoding.request import RequestState
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
-from onlinespec.metrics import speculative_decoding
 from onlinespec.models import LoadedModel, load_target
-from onlinespec.online.controller import LearnController
-from onlinespec.online.learner import LearnerConfig
-from onlinespec.routing.content import ContentConfig
-from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, Route, learner_row, replica_suffix_file, saved_drafts
+from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, replica_suffix_file, saved_drafts
 from onlinespec.storage import EventLog, OutDirLock, kill_point
-from onlinespec.online.turns import EngineTurns
-from onlinespec.routing.domains import MAX_DRAFTS, RESERVED, ROUTERS, Router
-from onlinespec.safety import check_label, shown
+from onlinespec.routing.domains import Router
+from onlinespec.serve.admission import Domains, encode, named_draft, queue_full, token_budget
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.metrics import ServeMetrics
-from onlinespec.tokens import Prompt, encode_prompt, eos_token_ids, tokenizer_fingerprint
-
-log = logging.getLogger("onlinespec.requests")
-
-STATIC, TARGET_ALONE = RESERVED  # drafts a request may ask for by name, never trained on
-TICK_SECONDS = 1.0  # housekeeping (retention, another process's rollback) at least this often
-
-
-@dataclass
-class CoreConfig:
-    target: str = "default"
-    draft: str = DEFAULT_DRAFT
-    k: int = DEFAULT_K
-    dtype: str = DEFAULT_DTYPE
-    backend: str = "auto"  # what runs the target: llama.cpp for a GGUF file on a CPU, else torch (onlinespec.backends)
-    device: str = "auto"  # torch backend: cuda when torch sees one, else cpu
-    learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
-    head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)
-    buffer_policy: str = "window"
-    buffer_records: int = 2000
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
-    router: str = "domain"  # domain: one draft per request domain; single: one shared draft; content: by prompt clusters
-    max_drafts: int = MAX_DRAFTS  # domain: domains beyond this many share one draft; content: drafts kept in memory
-    content: ContentConfig = field(default_factory=ContentConfig)  # the content router's clusters and detectors
-    adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
-    kernels: bool = True  # small-batch linear kernels when they measure faster
-    max_batch: int = 8  # requests verified per step
-    max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
-    max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
-    shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
-    speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
-    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
-    request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
-    static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    log_text: bool = False  # request log lines carry prompt and output text
-    retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
-    max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
-    suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
-    learn_share: float | None = 0.1  # under load, the most of the engine's wall time updates take (in its turns,
-    # onlinespec.online.turns; idle: all of it); None: updates run beside serving in a thread at low priority
-
-    def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
-        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1 or self.max_domains < 1:
-            raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-        if self.retention_days is not None and not self.retention_days > 0:
-            raise ValueError(f"retention_days must be > 0 (or unset: keep records), got {self.retention_days}")
-        if self.max_buffer_bytes < 1:
-            raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
-        if self.suffix_tokens < 0:
-            raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
-        if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
-            raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
-
-    @property
-    def retention_seconds(self) -> float | None:
-        return None if self.retention_days is None else self.retention_days * 86400.0
-
-    @property
-    def learning(self) -> bool:
-        return self.learn and self.draft != "none"
-
-
-class ServeError(Exception):
-    """A request the core refuses or could not finish; ``status`` is the HTTP status it maps to."""
-
-    status, kind = 400, "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-
-    def __reduce__(self):  # crosses processes whole (a Ray replica's errors reach the HTTP front as they are)
-        return _rebuild_error, (type(self), self.message, dict(self.__dict__))
-
-
-def _rebuild_error(kind: type, message: str, attributes: dict) -> ServeError:
-    error = Exception.__new__(kind)
-    Exception.__init__(error, message)
-    error.__dict__.update(attributes)
-    return error
-
-
-class Overloaded(ServeError):
-    status, kind = 429, "rate_limit_error"
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message, code="queue_full")
-        self.retry_after = retry_after
-
-
-class Unavailable(ServeError):
-    status, kind = 503, "service_unavailable"
-
-
-class NotFound(ServeError):
-    status, kind = 404, "not_found_error"
-
-
-class Timeout(ServeError):
-    status, kind = 504, "timeout"
-
-
-class Failed(ServeError):
-    status, kind = 500, "internal_error"
-
-
-class LoadFailed(RuntimeError):
-    """The core could not start (a bad model spec, another model's drafts in the out-dir, ...)."""
-
-
-@dataclass
-class Served:
-    """A finished request, as every client reports it."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str  # stop (EOS or a stop string) | length
-    stats: RequestStats
-    draft: str
-    draft_version: str | None  # the version that served its last step
-    draft_versions: list[str]  # every version that served a step (a swap can land mid-request)
-    domain: str
-    learner_busy: bool
-    recorded: bool  # its training records are in the durable buffer
-    cluster: int | None = None  # content routing: the cluster it was served as
-    home: str | None = None  # content routing: the draft that learnt from it
-    replica: str | None = None  # the serving replica (onlinespec.scale), when there are several
-    details: bool = False  # metrics name which drafter proposed what (CoreConfig.speculation_details)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def metrics(self) -> dict:
-        """A response's ``metrics``: the request's speculation figures in vLLM's per-request shape
-        with the draft and version that served it, and its timings."""
-        spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
-                "draft_versions": self.draft_versions}
-        if not self.details:  # which tokens the suffix index proposed says what earlier requests held
-            spec.pop("by_source")
-        routing = {"cluster": self.cluster, "learning_draft": self.home} if self.cluster is not None else {}
-        if self.replica is not None:
-            routing["replica"] = self.replica
-        return {"speculative_decoding": spec, "domain": self.domain, "learner_busy": self.learner_busy, **routing,
-                "queued_seconds": self.stats.queued_seconds, "time_to_first_token_seconds": self.stats.first_token_seconds,
-                "seconds": self.stats.seconds}
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-
+from onlinespec.serve.learning import LearningShare
+from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
+from onlinespec.serve.recorder import Recorder
+from onlinespec.tokens import Prompt, eos_token_ids, tokenizer_fingerprint
 
 _request_ids = itertools.count()
-
-
-class Events:
-    """A submitted request's events, in order: with ``stream``, a :class:`Delta` per step; then a
-    :class:`Served` or a :class:`ServeError`. ``notify`` is called from the producing thread after
-    each event (an asyncio server passes ``loop.call_soon_threadsafe``-based wake-ups)."""
-
-    def __init__(self, notify: Callable[[], None] | None = None) -> None:
-        self.notify = notify
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.done = False
-
-    def emit(self, event) -> None:
-        if isinstance(event, (Served, ServeError)):
-            self.done = True
-        self.events.put(event)
-        if self.notify is not None:
-            self.notify()
-
-    def __iter__(self):
-        """Block on each event until the last (for threads; an async server drains ``events``)."""
-        while True:
-            event = self.events.get()
-            yield event
-            if isinstance(event, (Served, ServeError)):
-                return
-
-    def result(self) -> Served:
-        """Block until the request ends; raise its error if it failed."""
-        for event in self:
-            if isinstance(event, ServeError):
-                raise event
-            if isinstance(event, Served):
-                return event
-        raise AssertionError("unreachable")
-
-    def cancel(self) -> None:
-        raise NotImplementedError
-
-
-class Handle(Events):
-    """A request submitted to this process's core."""
-
-    def __init__(self, core: ServingCore, state: RequestState, draft: Draft, domain: str, train: bool, request_id: str,
-                 deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "", stream: bool = False) -> None:
-        super().__init__(notify)
-        self.core, self.state, self.draft, self.domain, self.train = core, state, draft, domain, train
-        self.request_id, self.deadline, self.prompt_text = request_id, deadline, prompt_text
-        self.stream = stream  # send a Delta after every step (else only the end)
-        self.home = draft  # the draft that records it (content routing: its cluster's, which may not serve it)
-        self.route: Route | None = None  # content routing, once its prompt is prefilled
-        self.routed = not state.embed  # content routing waits for the prompt's embedding
-        self.emitted = ""  # text sent so far
-        self.last_emit: float | None = None  # when the last tokens went out (inter-token latency)
-        self.versions: list[str] = []
-
-    def cancel(self) -> None:
-        """The client went away: free the request's slot at the next step (nothing recorded)."""
-        self.core.cancel(self)
 
 
 class ServingCore:
@@ -313,21 +93,18 @@ class ServingCore:
         self._on_event = on_event
         self._lock = threading.Lock()
         self._wake = threading.Condition()
-        self.turns: EngineTurns | None = None  # set once loaded (learning in the engine's turns)
-        self.controller: LearnController | None = None
+        self.share: LearningShare | None = None  # set once loaded, when learning takes the engine's turns
+        self.recorder: Recorder | None = None  # set once loaded
         self._handles: dict[int, Handle] = {}
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
         self._routes: dict[str, Draft] = {}  # domain -> its draft, once routed
-        self._domains: set[str] = {"default"}  # every domain a request has named (at most config.max_domains)
+        self._domains = Domains(config.max_domains)
         self._stopping = False
-        self._served = 0
-        self._recent_seconds = 1.0  # moving average of request seconds (Retry-After)
         self.started_at = time.time()
 
     @property
-    def event_write_failures(self) -> int:
-        return self.events.failures
+    def requests_served(self) -> int:
+        return self.recorder.served if self.recorder is not None else 0
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -384,18 +161,15 @@ class ServingCore:
         router = Router(config.router if learning and (content or config.router != "content") else "single", config.max_drafts,
                         saved_drafts(self.out_dir) if learning else ())
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
-        self.turns = None if self.replica or not learning or config.learn_share is None else \
-            EngineTurns(config.learn_share, on_wanted=self._notify_engine)  # a Ray replica's learners are actors
-        self.controller = LearnController(config.learn_share) if self.turns is not None else None  # learn when it pays
-        if self.turns is not None:
-            self.metrics.learn_share_limit.set(config.learn_share)
+        if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
+            self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine)
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
-                              config.buffer_records, on_event=self._learner_event, buffer_bytes=config.max_buffer_bytes,
+                              config.buffer_records, on_event=self.learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
                               suffix_tokens=config.suffix_tokens if learning else 0,
                               content=config.content if content else None, max_in_memory=config.max_drafts,
                               learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica, turns=self.turns)
+                              keeps_buffers=not self.replica, turns=self.share.turns if self.share else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.static
@@ -407,9 +181,11 @@ class ServingCore:
                     "context": self.context,
                     "cost_curve_ms": curve.milliseconds() if curve else None})
         self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
-        self._recorder_thread = threading.Thread(target=self._record_loop, name="onlinespec-recorder", daemon=True)
-        self._recorder_thread.start()
-        self._housekeeper = threading.Thread(target=self._housekeeping, name="onlinespec-housekeeping", daemon=True)
+        self.recorder = Recorder(self.pool, self.metrics, config, self.event, self._release, self.replica,
+                                 on_served=self.share.served if self.share is not None else None)
+        self.recorder.start()
+        self._housekeeper = threading.Thread(target=housekeep, args=(self.pool, self.metrics, lambda: self._stopping),
+                                             name="onlinespec-housekeeping", daemon=True)
         self._housekeeper.start()
         self.status = "ready"
 
@@ -434,62 +210,27 @@ class ServingCore:
         with self._wake:
             self._wake.notify_all()
         self._loop_thread.join(60)
-        if self.turns is not None:  # no engine gives turns any more: an update still running ends (cancelled) freely
-            self.turns.close()
+        if self.share is not None:
+            self.share.close()
         while not self._calls.empty():  # calls that came too late for the engine thread
             self._calls.get_nowait()[1].set_exception(Unavailable("the server is shutting down"))
-        self._finished.put(None)
-        self._recorder_thread.join(60)
+        self.recorder.stop()
         self._housekeeper.join(60)
         self.pool.stop_scoring()
         self.pool.save_suffix(force=True)
         self.pool.save_routing(force=True)
         for learner in self.pool.learners:
             learner.stop(timeout=60)
-        self.event({"event": "stop", "requests_served": self._served, "governance": self.pool.governance()})
+        self.event({"event": "stop", "requests_served": self.requests_served, "governance": self.pool.governance()})
         self.status = "stopped"
         self.events.close()
         self.lock.release()
 
     # ---- requests --------------------------------------------------------------------------
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        try:
-            return encode_prompt(self.tokenizer, prompt, min(self.engine.runner.vocab_size, len(self.tokenizer)))
-        except (ValueError, TypeError) as err:
-            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-            raise ServeError(str(err), param="messages" if chat else "prompt") from None
-        except Exception as err:  # a chat template that rejects the conversation (e.g. role order)
-            raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
-
-    def max_new_tokens(self, prompt_tokens: int, requested: int | None) -> int:
-        """The request's budget: what it asked, or the default, within the context left; a prompt
-        that leaves no room, or a request for more than is left, is a clear error."""
-        room = self.engine.room(prompt_tokens)
-        if room < 1:
-            raise ServeError(f"the prompt has {prompt_tokens} tokens: the model's context is {self.context} tokens, "
-                             f"so a prompt may have at most {self.context - self.engine.k - 2}", param="messages", code="context_length_exceeded")
-        if requested is None:
-            return min(room, self.config.default_max_tokens)
-        try:
-            self.engine.check_fits(prompt_tokens, requested, "max_tokens")
-        except ValueError as err:
-            raise ServeError(str(err), param="max_tokens", code="context_length_exceeded") from None
-        return requested
-
-    def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        domain: str = "default",
-        train: bool = True,
-        draft: str | None = None,
-        request_id: str | None = None,
-        max_tokens: int | None = None,
-        notify: Callable[[], None] | None = None,
-        stream: bool = False,
-        tenant: str = "",
-    ) -> Handle:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
+               draft: str | None = None, request_id: str | None = None, max_tokens: int | None = None,
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
         ``max_tokens`` is the request's budget, as in the OpenAI API (``params.max_new_tokens`` is
@@ -506,47 +247,27 @@ class ServingCore:
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
-        domain = self._domain(domain)
-        ids = self.encode(prompt)
+        domain = self._domains.admit(domain)
+        ids = encode(self.tokenizer, min(self.engine.runner.vocab_size, len(self.tokenizer)), prompt)
         params = params or SamplingParams()
-        params = replace(params, max_new_tokens=self.max_new_tokens(len(ids), max_tokens))
+        params = replace(params, max_new_tokens=token_budget(self.engine, len(ids), max_tokens, self.config.default_max_tokens))
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.provisional(load=False) or self._on_engine(self.pool.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
-                retry = max(1, math.ceil(self._recent_seconds * (1 + len(self.scheduler.waiting) / self.config.max_batch)))
                 self.metrics.failures.labels("queue_full").inc()
-                raise Overloaded(f"{len(self.scheduler.waiting)} requests are waiting (the limit is {self.config.max_waiting}): "
-                                 f"retry in {retry} s", retry)
+                raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
-            handle = Handle(self, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
+            handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
             self.scheduler.submit(state)
-        with self._wake:
-            self._wake.notify()
+        self._notify_engine()
         return handle
-
-    def _domain(self, domain: str) -> str:
-        """``domain`` if it is a label (:data:`onlinespec.safety.LABEL`) and within the server's
-        ``max_domains`` distinct ones: a client's strings become metrics labels and routes, so
-        both their shape and their number are bounded."""
-        try:
-            check_label(domain, "domain")
-        except ValueError as err:
-            raise ServeError(str(err), param="domain", code="invalid_domain") from None
-        with self._lock:
-            if domain not in self._domains:
-                if len(self._domains) >= self.config.max_domains:
-                    raise ServeError(f"domain {shown(domain)} is new and this server already serves {len(self._domains)} domains "
-                                     f"(its --max-domains): send one it knows ({', '.join(sorted(self._domains)[:8])}...) "
-                                     f"or leave domain out", param="domain", code="too_many_domains")
-                self._domains.add(domain)
-        return domain
 
     def _on_engine(self, fn: Callable):
         """Run ``fn`` on the engine thread between two steps and return its result (model work:
@@ -555,8 +276,7 @@ class ServingCore:
             return fn()
         future: Future = Future()
         self._calls.put((fn, future))
-        with self._wake:
-            self._wake.notify()
+        self._notify_engine()
         return future.result()
 
     def _run_calls(self) -> None:
@@ -568,41 +288,35 @@ class ServingCore:
                 future.set_exception(err)
 
     def _draft(self, domain: str, name: str | None) -> Draft:
-        if name is None:  # a domain keeps its draft once routed: only a new one waits for the engine thread
-            draft = self._routes.get(domain)
-            if draft is None:
-                draft = self._routes[domain] = self._on_engine(lambda: self.pool.route(domain))
-            return draft
-        if name in self.baselines:
-            return self.baselines[name]
-        if name in self.pool.drafts:
-            return self.pool.drafts[name]
-        offered = [*self.pool.drafts, *self.baselines]
-        raise NotFound(f"no draft {shown(name)}: this server offers {offered} (or leave draft out to be routed)", param="draft")
+        if name is not None:
+            return named_draft(name, self.pool.drafts, self.baselines)
+        draft = self._routes.get(domain)  # a domain keeps its draft once routed: only a new one waits for the engine thread
+        if draft is None:
+            draft = self._routes[domain] = self._on_engine(lambda: self.pool.route(domain))
+        return draft
 
     def cancel(self, handle: Handle) -> None:
+        if self._drop(handle, "cancelled"):
+            self.event({"event": "cancelled", "id": handle.request_id, "draft": handle.draft.name,
+                        "new_tokens": len(handle.state.stop.generated)})
+
+    def _fail(self, handle: Handle, error: ServeError) -> None:
+        if self._drop(handle, error.kind):
+            self.event({"event": "failed", "id": handle.request_id, "draft": handle.draft.name, "error": error.message})
+            handle.emit(error)
+
+    def _drop(self, handle: Handle, why: str) -> bool:
+        """Take an unfinished request out of the engine (its slot frees at the next step); False
+        when it had already left (finished, cancelled or failed on another thread)."""
         with self._lock:
             if self._handles.pop(handle.state.id, None) is None:
-                return
+                return False
         self.scheduler.cancel(handle.state)
         self._release(handle)
         self.metrics.running.set(len(self.scheduler.running))  # no step may come to update it
         self.metrics.waiting.set(len(self.scheduler.waiting))
-        self.metrics.failures.labels("cancelled").inc()
-        self.event({"event": "cancelled", "id": handle.request_id, "draft": handle.draft.name,
-                    "new_tokens": len(handle.state.stop.generated)})
-
-    def _fail(self, handle: Handle, error: ServeError) -> None:
-        with self._lock:
-            if self._handles.pop(handle.state.id, None) is None:
-                return
-        self.scheduler.cancel(handle.state)
-        self._release(handle)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting))
-        self.metrics.failures.labels(error.kind).inc()
-        self.event({"event": "failed", "id": handle.request_id, "draft": handle.draft.name, "error": error.message})
-        handle.emit(error)
+        self.metrics.failures.labels(why).inc()
+        return True
 
     # ---- the engine loop (one thread) ----------------------------------------------------------
 
@@ -610,28 +324,19 @@ class ServingCore:
         with self._wake:
             self._wake.notify()
 
-    def _learn(self, idle: bool) -> None:
-        """Give the learner a turn (onlinespec.online.turns): when idle, whenever it wants one; under
-        load, while the share of the engine's time spent learning is below --learn-share."""
-        turns = self.turns
-        if turns is None:
-            return
-        if turns.due() if not idle else turns.wanted():
-            self.metrics.learn_seconds.inc(turns.give())
-        self.metrics.learn_share.set(turns.spent())
-
     def _loop(self) -> None:
         while True:
             with self._wake:
                 while (not self.scheduler.has_work and not self._stopping and self._calls.empty()
-                       and not (self.turns is not None and self.turns.wanted())):
+                       and not (self.share is not None and self.share.wanted())):
                     self._wake.wait(0.25)
                     self._expire()
             self._run_calls()
             if self._stopping and not self.scheduler.has_work:
                 return
             if not self.scheduler.has_work:
-                self._learn(idle=True)
+                if self.share is not None:
+                    self.share.give(idle=True)
                 continue
             self._expire()
             tick = time.perf_counter()
@@ -641,9 +346,8 @@ class ServingCore:
                 logging.getLogger("onlinespec.serve").exception("a step failed")
                 self._reset(f"{type(err).__name__}: {err}")
                 continue
-            if self.turns is not None:
-                self.turns.served(time.perf_counter() - tick)
-                self._learn(idle=False)
+            if self.share is not None:
+                self.share.stepped(time.perf_counter() - tick)
             kill_point("serve.step")
             self.metrics.running.set(len(self.scheduler.running))
             self.metrics.waiting.set(len(self.scheduler.waiting))
@@ -677,7 +381,7 @@ class ServingCore:
         if state.finished:
             with self._lock:
                 self._handles.pop(state.id, None)
-            self._finished.put(handle)
+            self.recorder.put(handle)
 
     def _route(self, handle: Handle) -> None:
         """Content routing, once the prompt is prefilled (engine thread, between two steps): the
@@ -720,91 +424,6 @@ class ServingCore:
                 self._fail(handle, Failed(f"the engine failed while serving this request ({error}); send it again"))
         self.engine.reset()
 
-    # ---- recording (one thread) ------------------------------------------------------------------
-
-    def _record_loop(self) -> None:
-        name_thread("onlinespec-rec")
-        torch.set_num_threads(1)  # see the module docstring: the engine thread keeps the cores
-        while (handle := self._finished.get()) is not None:
-            try:
-                self._complete(handle)
-            except Exception as err:  # never leave a client waiting
-                logging.getLogger("onlinespec.serve").exception("completing a request failed")
-                handle.emit(Failed(f"the request finished but its answer could not be assembled: {err}"))
-
-    def _housekeeping(self) -> None:
-        """Every second: retention, and a CURRENT another process changed (a rollback loads a
-        version here, one torch thread, never on the recorder: answers never wait for it)."""
-        name_thread("onlinespec-house")
-        torch.set_num_threads(1)
-        while not self._stopping:
-            time.sleep(TICK_SECONDS)
-            try:
-                self.pool.tick()
-            except Exception:  # retention runs again next tick; the failure is on /metrics
-                self.metrics.housekeeping_failures.inc()
-                logging.getLogger("onlinespec.serve").exception("housekeeping failed (retention, a CURRENT from another process); "
-                                                                "it runs again in %s s", TICK_SECONDS)
-
-    def _complete(self, handle: Handle) -> None:
-        try:
-            self._answer(handle)
-        finally:
-            self._release(handle)
-
-    def _answer(self, handle: Handle) -> None:
-        state, draft, home, route = handle.state, handle.draft, handle.home, handle.route
-        text = state.stop.text()
-        generation = Generation(text, list(state.stop.generated), state.prompt_ids, state.stats, state.trace or [])
-        recorded = False
-        if home.learner is not None or home.suffix is not None:
-            failures = home.learner.write_failures if home.learner is not None else 0
-            try:  # durable when it returns; a record a disk write failed is skipped and counted
-                recorded = self.pool.observe(home, generation, handle.domain, handle.request_id, train=handle.train, route=route,
-                                             tenant=state.tenant)
-            except Exception as err:
-                logging.getLogger("onlinespec.serve").error("request %s: its training records were NOT stored: %s", handle.request_id, err)
-            if home.learner is not None and home.learner.write_failures > failures:
-                self.metrics.record_failures.labels(home.name).inc(home.learner.write_failures - failures)
-            if not handle.train:
-                self.metrics.opted_out.inc()
-        stats = state.stats
-        reason = "length" if stats.finish_reason == "length" else "stop"
-        served = Served(handle.request_id, text, generation.token_ids, len(state.prompt_ids), reason, stats, draft.name,
-                        draft.version, handle.versions or ([draft.version] if draft.version else []), handle.domain,
-                        self.pool.busy, recorded, route.cluster if route else None, home.name if route else None, self.replica,
-                        self.config.speculation_details)
-        self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
-        if self.controller is not None and draft.learner is not None:
-            self._control(self.controller.served(draft.name, draft.version, stats.new_tokens, stats.target_calls))
-        self.metrics.serving(draft.name, draft.version)
-        if home.suffix is not None:
-            self.metrics.suffix_tokens.labels(home.name).set(home.suffix.tokens)
-        if home.learner is not None:
-            data = home.learner.governance()
-            self.metrics.buffer_records.labels(home.name).set(data["held"])
-            self.metrics.buffer_bytes.labels(home.name).set(data["bytes"])
-            if recorded:
-                self.metrics.records.labels(home.name).inc()
-        self._served += 1
-        self._recent_seconds = 0.9 * self._recent_seconds + 0.1 * stats.seconds
-        line = {"event": "request", "id": handle.request_id, "domain": handle.domain, "draft": draft.name,
-                "draft_version": draft.version, "prompt_tokens": served.prompt_tokens, "completion_tokens": served.completion_tokens,
-                "finish_reason": reason, "alpha": stats.acceptance_rate, "tau": stats.mean_accepted_length,
-                "seconds": stats.seconds, "ttft_seconds": stats.first_token_seconds, "queued_seconds": stats.queued_seconds,
-                "recorded": recorded}
-        if route is not None:
-            line.update(cluster=route.cluster, member_of=route.member_of, learning_draft=home.name)
-        if self.replica is not None:
-            line["replica"] = self.replica
-        if self.config.log_text:
-            line.update(prompt=handle.prompt_text, text=text)
-        log.info(json.dumps(line))
-        self.event(line)
-        kill_point("serve.answer")
-        self._release(handle)  # before the answer: a client's next request may need the room
-        handle.emit(served)
-
     # ---- events and operators ---------------------------------------------------------------------
 
     def event(self, event: dict) -> None:
@@ -812,58 +431,23 @@ class ServingCore:
         if self._on_event is not None:
             self._on_event(event)
 
-    def _learner_event(self, event: dict) -> None:
-        name = event.get("draft", "")
-        if event["event"] == "update":
-            self.metrics.update(name, event["outcome"], event["seconds"])
-            if event["version"]:
-                self.metrics.serving(name, event["version"])
-        elif event["event"] == "update_failed":
-            self.metrics.update(name, "failed")
-        elif event["event"] == "learner_stopped":
-            self.metrics.learner_stopped.labels(name).set(1)
-        elif event["event"] in ("version", "rollback"):  # another process's version is served now
-            self.metrics.serving(name, event["version"])
-        if event["event"] == "update":  # an update ran to its end: the learner is (again) alive
-            self.metrics.learner_stopped.labels(name).set(0)
+    def learner_event(self, event: dict) -> None:
+        """A learner's event (an update, a failure, a version): on /metrics, in the event log, and
+        to the learning controller."""
+        self.metrics.learner(event)
         if self.pool.content is not None:
             self.metrics.routing(event, self.pool)
-        self.event({**event, "requests_served": self._served})
-        if self.controller is not None and event["event"] in ("update", "hurried"):
-            self._control(self.controller.updated(name, event["version"], event["parent"], event["engine_seconds"])
-                          if event["event"] == "update" else self.controller.drift(name))
+        self._event_served(event)
+        if self.share is not None:
+            self.share.learner_event(event)
 
-    def _control(self, decisions: list[dict]) -> None:
-        """Carry out the learning controller's decisions: each draft's update interval, the engine's share."""
-        for decision in decisions:
-            draft = self.pool.drafts.get(decision["draft"])
-            if draft is not None and draft.learner is not None:
-                draft.learner.backoff = decision["backoff"]
-            self.turns.share = self.controller.share()
-            self.metrics.learn_share_limit.set(self.turns.share)
-            self.event({**decision, "requests_served": self._served})
+    def _event_served(self, event: dict) -> None:
+        """A learning event, with the number of requests served before it."""
+        self.event({**event, "requests_served": self.requests_served})
 
     def drafts(self) -> list[dict]:
-        """Every draft: what it serves, its versions (with their metadata), its learner's state."""
-        rows = []
-        for name, draft in [*self.pool.drafts.items(), *self.baselines.items()]:
-            row = {"name": name, "version": draft.version, "learning": draft.learner is not None}
-            if draft.suffix is not None:
-                row["suffix_index"] = draft.suffix.stats()
-            if draft.learner is not None:
-                row.update(learner_row(draft.learner))
-            rows.append(row)
-        if self.pool.content is not None:  # content routing: where each draft is, and what it serves
-            routing = self.pool.routing()
-            homes: dict[str, list[int]] = {}
-            for cluster in routing["clusters"]:
-                homes.setdefault(cluster["draft"], []).append(cluster["cluster"])
-            for row in rows:
-                row.update(state="in memory", clusters=homes.get(row["name"], []))
-            rows += [{"name": n, "state": "evicted (in its registry; reloaded when its cluster returns)", "clusters": homes.get(n, []),
-                      "learning": True} for n in routing["evicted"]]
-            rows += [{"name": n, "state": f"retired: {why}", "learning": False} for n, why in routing["retired"].items()]
-        return rows
+        """Every draft (:func:`~onlinespec.serve.operations.draft_rows`), the baselines included."""
+        return draft_rows(self.pool, self.baselines)
 
     def replica_rows(self) -> list[dict]:
         """The serving replicas (one process: none; see onlinespec.scale)."""
@@ -874,15 +458,10 @@ class ServingCore:
         return self.pool.routing()
 
     def learning(self) -> dict:
-        """Whether the drafts learn, and the engine time it takes: the share allowed now (the
-        controller's, at most --learn-share), the share spent over the last 30 s, the seconds given."""
+        """Whether the drafts learn and, when learning takes the engine's turns, the engine time it
+        takes (:meth:`LearningShare.state`)."""
         state = {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
-        if self.turns is not None:
-            state.update(share_limit=round(self.turns.share, 4), share_spent=round(self.turns.spent(), 4),
-                         engine_seconds=round(self.turns.learn_seconds_total, 3), turns=self.turns.turns_total,
-                         longest_turn_seconds=round(self.turns.longest_turn_seconds, 3),
-                         backoff={name: d.learner.backoff for name, d in self.pool.drafts.items() if d.learner is not None})
-        return state
+        return {**state, **self.share.state()} if self.share is not None else state
 
     def governance(self) -> dict:
         """What the core did with the training data (:meth:`DraftPool.governance`)."""
@@ -890,11 +469,7 @@ class ServingCore:
 
     def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
         """Delete a request's training records (or those older than a number of days) now."""
-        if (request_id is None) == (older_than_days is None):
-            raise ServeError("give exactly one of request_id and older_than_days", code="invalid_purge")
-        if older_than_days is not None and not older_than_days >= 0:
-            raise ServeError(f"older_than_days must be >= 0, got {older_than_days}", param="older_than_days")
-        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
+        before = purge_cutoff(request_id, older_than_days)
         indexed = self.pool.suffix_purged
         removed = self.pool.purge(request_id, before)
         indexed = self.pool.suffix_purged - indexed
@@ -904,10 +479,9 @@ class ServingCore:
         return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
-        """An operator's action (:func:`operate`); the model work of a rollback or a pin runs on
-        the engine thread. Returns the new state."""
-        if not self.config.learning:
-            raise ServeError("this server does not learn (started with --static or --draft none)", code="not_learning")
+        """An operator's action (:func:`~onlinespec.serve.operations.operate`); the model work of a
+        rollback or a pin runs on the engine thread. Returns the new state."""
+        require_learning(self.config)
         result = operate(self.pool, action, name, version, self._on_engine)
         if action in ("pause", "resume"):
             result = self.learning()
@@ -915,34 +489,3 @@ class ServingCore:
             self.metrics.serving(name, self.pool.drafts[name].learner.registry.current())
         self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
         return result
-
-
-def operate(pool: DraftPool, action: str, name: str | None = None, version: str | None = None,
-            run: Callable = lambda fn: fn()) -> dict:
-    """An operator's action on a pool's learners: ``pause``, ``resume``, ``update`` (start
-    ``name``'s update now), ``rollback`` (``name`` serves its current version's parent), ``pin``
-    (``name`` serves ``version`` and publishes nothing; ``version=None`` unpins). ``run(fn)`` runs
-    the model work (loading a version). A bad name, version or action is a :class:`ServeError`."""
-    try:
-        if action in ("pause", "resume"):
-            pool.pause(action == "pause")
-            return {"paused": pool.paused}
-        if action == "update":
-            if not pool.update_now(name):
-                raise ServeError("an update is already running: wait for it (GET /admin/drafts shows it busy)", code="busy")
-            return {"draft": name, "started": True}
-        if action == "rollback":
-            pool.learned(name).learner.stop()  # here, so that the engine never waits for an update to end
-            return {"draft": name, "version": run(lambda: pool.rollback(name))}
-        if action == "pin":
-            if version is not None:
-                pool.learned(name).learner.stop()
-            run(lambda: pool.pin(name, version))
-            return {"draft": name, "version": pool.drafts[name].learner.registry.current(), "pinned": version is not None}
-        raise ServeError(f"unknown action {action!r}")
-    except KeyError as err:
-        raise NotFound(err.args[0], param="draft") from None
-    except FileNotFoundError as err:
-        raise NotFound(str(err), param="version") from None
-    except ValueError as err:
-        raise ServeError(str(err)) from None

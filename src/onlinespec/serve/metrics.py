@@ -131,6 +131,22 @@ class ServeMetrics:
         self.clusters.set(sum(k.live for k in pool.content.clusters.values()))
         self.in_memory.set(len(pool.drafts))
 
+    def learner(self, event: dict) -> None:
+        """Count a learner's event: an update's outcome, a failure, a stopped learner, a version
+        another process made current."""
+        name, kind = event.get("draft", ""), event["event"]
+        if kind == "update":
+            self.update(name, event["outcome"], event["seconds"])
+            if event["version"]:
+                self.serving(name, event["version"])
+            self.learner_stopped.labels(name).set(0)  # an update ran to its end: the learner is (again) alive
+        elif kind == "update_failed":
+            self.update(name, "failed")
+        elif kind == "learner_stopped":
+            self.learner_stopped.labels(name).set(1)
+        elif kind in ("version", "rollback"):  # another process's version is served now
+            self.serving(name, event["version"])
+
     def update(self, draft: str, outcome: str, seconds: float | None = None) -> None:
         self.updates.labels(draft, outcome).inc()
         if seconds is not None:

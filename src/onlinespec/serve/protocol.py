@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.safety import near_miss, shown
-from onlinespec.serve.core import ServeError
+from onlinespec.serve.handles import ServeError
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
 MAX_STOP_CHARS = 1000  # characters per stop sequence

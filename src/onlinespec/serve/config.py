@@ -1,0 +1,71 @@
+"""The serving core's settings (``onlinespec serve`` and ``onlinespec online`` fill them from their
+options; a Ray deployment sends them to every replica and learner actor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK
+from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.routing.content import ContentConfig
+from onlinespec.routing.domains import MAX_DRAFTS, ROUTERS
+
+
+@dataclass
+class CoreConfig:
+    target: str = "default"
+    draft: str = DEFAULT_DRAFT
+    k: int = DEFAULT_K
+    dtype: str = DEFAULT_DTYPE
+    backend: str = "auto"  # what runs the target: llama.cpp for a GGUF file on a CPU, else torch (onlinespec.backends)
+    device: str = "auto"  # torch backend: cuda when torch sees one, else cpu
+    learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
+    head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)
+    buffer_policy: str = "window"
+    buffer_records: int = 2000
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    router: str = "domain"  # domain: one draft per request domain; single: one shared draft; content: by prompt clusters
+    max_drafts: int = MAX_DRAFTS  # domain: domains beyond this many share one draft; content: drafts kept in memory
+    content: ContentConfig = field(default_factory=ContentConfig)  # the content router's clusters and detectors
+    adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
+    kernels: bool = True  # small-batch linear kernels when they measure faster
+    max_batch: int = 8  # requests verified per step
+    max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
+    max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
+    shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
+    speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
+    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
+    request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
+    static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    log_text: bool = False  # request log lines carry prompt and output text
+    retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
+    max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
+    suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
+    learn_share: float | None = 0.1  # under load, the most of the engine's wall time updates take (in its turns,
+    # onlinespec.online.turns; idle: all of it); None: updates run beside serving in a thread at low priority
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
+        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1 or self.max_domains < 1:
+            raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
+        if self.request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.retention_days is not None and not self.retention_days > 0:
+            raise ValueError(f"retention_days must be > 0 (or unset: keep records), got {self.retention_days}")
+        if self.max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
+        if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
+            raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
+
+    @property
+    def retention_seconds(self) -> float | None:
+        return None if self.retention_days is None else self.retention_days * 86400.0
+
+    @property
+    def learning(self) -> bool:
+        return self.learn and self.draft != "none"

@@ -1,0 +1,59 @@
+"""The checks a request or an operator's call passes before the core acts (no model): each refusal
+is a ServeError that names its field, and an error crosses processes (a Ray replica's) whole."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+
+from onlinespec.serve.admission import Domains, named_draft, queue_full
+from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.handles import NotFound, Overloaded, ServeError
+from onlinespec.serve.operations import purge_cutoff
+
+
+def test_an_error_survives_a_process_boundary_with_its_status_and_fields():
+    error = pickle.loads(pickle.dumps(Overloaded("full", retry_after=7)))
+    assert type(error) is Overloaded and error.status == 429 and error.retry_after == 7 and error.code == "queue_full"
+    error = pickle.loads(pickle.dumps(NotFound("no draft", param="draft")))
+    assert type(error) is NotFound and (error.status, error.message, error.param) == (404, "no draft", "draft")
+
+
+def test_domains_are_labels_and_bounded_in_number():
+    domains = Domains(limit=2)
+    assert domains.admit("default") == "default" and domains.admit("maths") == "maths"
+    with pytest.raises(ServeError) as refused:
+        domains.admit("code")
+    assert refused.value.code == "too_many_domains" and refused.value.param == "domain"
+    assert domains.admit("maths") == "maths"  # a known one is always served
+    with pytest.raises(ServeError) as refused:
+        domains.admit("not a label")
+    assert refused.value.code == "invalid_domain"
+
+
+def test_a_named_draft_must_exist():
+    drafts, baselines = {"maths": object()}, {"none": object()}
+    assert named_draft("maths", drafts, baselines) is drafts["maths"]
+    assert named_draft("none", drafts, baselines) is baselines["none"]
+    with pytest.raises(NotFound) as refused:
+        named_draft("code", drafts, baselines)
+    assert refused.value.param == "draft"
+
+
+def test_a_full_queue_says_when_to_retry():
+    config = CoreConfig(max_batch=4, max_waiting=8)
+    refusal = queue_full(8, config, recent_seconds=2.0)
+    assert isinstance(refusal, Overloaded) and refusal.retry_after == 6  # 2 s x (1 + 8 waiting / 4 per batch)
+    assert queue_full(8, config, recent_seconds=0.01).retry_after == 1
+
+
+def test_a_purge_takes_exactly_one_of_a_request_id_and_an_age():
+    assert purge_cutoff("req-1", None) is None
+    assert abs(purge_cutoff(None, 1) - (time.time() - 86400.0)) < 5
+    for request_id, days, code, param in ((None, None, "invalid_purge", None), ("req-1", 1, "invalid_purge", None),
+                                          (None, -1, None, "older_than_days")):
+        with pytest.raises(ServeError) as refused:
+            purge_cutoff(request_id, days)
+        assert (refused.value.code, refused.value.param) == (code, param)
