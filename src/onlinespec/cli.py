@@ -26,7 +26,7 @@ from onlinespec.routing.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.safety import command_line, private_files
-from onlinespec.serve.app import ServerSettings
+from onlinespec.serve.web import ServerSettings
 from onlinespec.serve.config import CoreConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)

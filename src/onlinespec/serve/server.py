@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from onlinespec.serve.app import ServerSettings, create_app
+from onlinespec.serve.app import create_app
+from onlinespec.serve.web import ServerSettings
 from onlinespec.serve.core import ServingCore
 
 

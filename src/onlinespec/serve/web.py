@@ -1,0 +1,89 @@
+"""What every route of the HTTP app shares: the server's settings, who may call (API keys, the
+tenant a key or header names, the admin key), bounded request bodies, and OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from onlinespec.safety import check_label, key_tenant, same_key
+from onlinespec.serve.handles import Overloaded, ServeError
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "default"  # the `model` clients send
+    api_key: str | None = None  # Bearer key for /v1 routes (None: open, unless api_keys)
+    api_keys: tuple[str, ...] = ()  # several keys: each is a tenant of its own
+    tenant_header: str | None = None  # the tenant is this header's value (else the API key's, else "default")
+    admin_key: str | None = None  # Bearer key for /admin routes (None: the admin API is off)
+    max_body_bytes: int = 1 << 20
+    drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may finish
+    load_in_background: bool = True  # answer /health while the model loads
+
+
+class Unauthorized(ServeError):
+    status, kind = 401, "authentication_error"
+
+
+class Forbidden(ServeError):
+    status, kind = 403, "permission_error"
+
+
+class TooLarge(ServeError):
+    status = 413
+
+
+def error_response(err: ServeError, request_id: str | None = None) -> JSONResponse:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(err.retry_after)
+    body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+class Access:
+    """Who may call: the API keys guard /v1 (each key a tenant of its own), the admin key /admin."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.keys = tuple(dict.fromkeys([*([settings.api_key] if settings.api_key else []), *settings.api_keys]))
+
+    def tenant(self, request: Request) -> str:
+        """Check the API key; return the request's tenant (docs/serve.md, "Tenants")."""
+        given, header = request.headers.get("authorization", ""), self.settings.tenant_header
+        matched = [key for key in self.keys if same_key(given, f"Bearer {key}")]  # every key compared: no early exit
+        if self.keys and not matched:
+            raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if header:
+            value = request.headers.get(header)
+            try:
+                return check_label(value, f"the {header} header") if value is not None else "default"
+            except ValueError as err:
+                raise ServeError(str(err), param=header, code="invalid_tenant") from None
+        return key_tenant(matched[0]) if matched else "default"
+
+    def admin(self, request: Request) -> None:
+        """Check the admin key (the admin API is off without one)."""
+        key = self.settings.admin_key
+        if key is None:
+            raise Forbidden("the admin API is off: start the server with --admin-key")
+        if not same_key(request.headers.get("authorization", ""), f"Bearer {key}"):
+            raise Unauthorized("missing or wrong admin key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes, declared or sent."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the body has {declared} bytes: the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
