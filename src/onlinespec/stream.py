@@ -189,68 +189,16 @@ def drive(
 ) -> dict:
     """Send ``queries`` through ``client``, ``config.concurrency`` in flight; measure as the
     module docstring says; return :func:`summarize`'s result."""
-    rows: list[dict] = []
-    lock = threading.Lock()
-    every = config.compare_every
-    budget = lambda q: q.max_new_tokens or config.max_new_tokens  # noqa: E731
-
-    def pair(i: int, online_draft: str | None = None) -> tuple[dict, dict]:
-        """Request ``i`` served by ``online_draft`` (default: routed, and learnt from) and by the static
-        draft, the static one first on every other probe."""
-        query = queries[i]
-        static = client.serve(query, budget(query), STATIC) if (i // every) % 2 else None
-        online = client.serve(query, budget(query), online_draft)
-        return online, static or client.serve(query, budget(query), STATIC)
-
-    def serve(i: int) -> None:
-        query = queries[i]
-        row = {"i": i, "id": query.id, "domain": query.domain}
-        try:
-            if every and i % every == 0:
-                online, static = pair(i)
-                row.update(online, static={k: static[k] for k in STATS}, texts={STATIC: static["text"]})
-            else:
-                row.update(client.serve(query, budget(query)))
-        except Exception as err:  # one failed request is an error row, never the end of the stream
-            row = {"i": i, "id": query.id, "domain": query.domain, "error": f"{type(err).__name__}: {err}"}
-        row["time"] = time.time()
-        ok = [r for r in rows[-MOVING_AVERAGE:] if "error" not in r] + ([] if "error" in row else [row])
-        with lock:
-            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in ok], MOVING_AVERAGE)[-1] if ok else 0.0
-            rows.append(row)
-            if on_request:
-                on_request(row)
-
-    def learning_off(row: dict) -> None:
-        """A probe again, learning paused, in the same pairing as before: the static draft's two
-        passes differ in the learner only."""
-        try:
-            online, static = pair(row["i"], row["draft"])
-        except Exception as err:
-            row["probe_error"] = f"{type(err).__name__}: {err}"
-            return
-        row["online_learning_off"], row["static_learning_off"] = ({k: out[k] for k in STATS} for out in (online, static))
-
-    def target_alone(row: dict) -> None:
-        try:
-            out = client.serve(queries[row["i"]], budget(queries[row["i"]]), TARGET_ALONE)
-        except Exception as err:
-            row["probe_error"] = f"{type(err).__name__}: {err}"
-            return
-        row["target_alone"] = {k: out[k] for k in STATS}
-        row["texts"][TARGET_ALONE] = out["text"]
-
-    with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
-        list(pool.map(serve, range(len(queries))))
-    rows.sort(key=lambda r: r["i"])
+    run = _StreamRun(queries, client, config, on_request)
+    run.in_parallel(run.serve, range(len(queries)))
+    rows = sorted(run.rows, key=lambda r: r["i"])
     probes = [r for r in rows if "static" in r]
     if probes:
         say("learning paused: waiting for the update in flight to end")
         client.settle()
-        for step, what in ((learning_off, "online and static drafts"), (target_alone, "target alone")):
+        for step, what in ((run.learning_off, "online and static drafts"), (run.target_alone, "target alone")):
             say(f"serving the {len(probes)} compared requests again, learning paused: {what}")
-            with ThreadPoolExecutor(config.concurrency, thread_name_prefix="onlinespec-client") as pool:
-                list(pool.map(step, probes))
+            run.in_parallel(step, probes)
         for r in probes:  # greedy: the online system, the static draft and the target alone agree
             texts = r.pop("texts")
             r["identical"] = TARGET_ALONE in texts and r["text"] == texts[STATIC] == texts[TARGET_ALONE]
@@ -259,6 +207,71 @@ def drive(
         if text is not None:
             r["text_sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return summarize(rows, config, client.updates(), client.health())
+
+
+class _StreamRun:
+    """The requests of one :func:`drive`: the stream (:meth:`serve`, a row each), then its probes
+    again with learning paused (:meth:`learning_off`, :meth:`target_alone`)."""
+
+    def __init__(self, queries: Sequence[Query], client: StreamClient, config: OnlineConfig,
+                 on_request: Callable[[dict], None] | None) -> None:
+        self.queries, self.client, self.config, self.on_request = queries, client, config, on_request
+        self.rows: list[dict] = []
+        self._lock = threading.Lock()
+
+    def in_parallel(self, fn: Callable, items) -> None:
+        with ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="onlinespec-client") as pool:
+            list(pool.map(fn, items))
+
+    def _serve(self, i: int, draft: str | None = None) -> dict:
+        query = self.queries[i]
+        return self.client.serve(query, query.max_new_tokens or self.config.max_new_tokens, draft)
+
+    def _pair(self, i: int, online_draft: str | None = None) -> tuple[dict, dict]:
+        """Request ``i`` served by ``online_draft`` (default: routed, and learnt from) and by the static
+        draft, the static one first on every other probe."""
+        static = self._serve(i, STATIC) if (i // self.config.compare_every) % 2 else None
+        online = self._serve(i, online_draft)
+        return online, static or self._serve(i, STATIC)
+
+    def serve(self, i: int) -> None:
+        """Request ``i`` of the stream (a probe: paired with the static draft); its row, or an error row."""
+        query, every = self.queries[i], self.config.compare_every
+        row = {"i": i, "id": query.id, "domain": query.domain}
+        try:
+            if every and i % every == 0:
+                online, static = self._pair(i)
+                row.update(online, static={k: static[k] for k in STATS}, texts={STATIC: static["text"]})
+            else:
+                row.update(self._serve(i))
+        except Exception as err:  # one failed request is an error row, never the end of the stream
+            row = {"i": i, "id": query.id, "domain": query.domain, "error": f"{type(err).__name__}: {err}"}
+        row["time"] = time.time()
+        ok = [r for r in self.rows[-MOVING_AVERAGE:] if "error" not in r] + ([] if "error" in row else [row])
+        with self._lock:
+            row["alpha_moving_average"] = moving_average([r["acceptance_rate"] for r in ok], MOVING_AVERAGE)[-1] if ok else 0.0
+            self.rows.append(row)
+            if self.on_request:
+                self.on_request(row)
+
+    def learning_off(self, row: dict) -> None:
+        """A probe again, learning paused, in the same pairing as before: the static draft's two
+        passes differ in the learner only."""
+        try:
+            online, static = self._pair(row["i"], row["draft"])
+        except Exception as err:
+            row["probe_error"] = f"{type(err).__name__}: {err}"
+            return
+        row["online_learning_off"], row["static_learning_off"] = ({k: out[k] for k in STATS} for out in (online, static))
+
+    def target_alone(self, row: dict) -> None:
+        try:
+            out = self._serve(row["i"], TARGET_ALONE)
+        except Exception as err:
+            row["probe_error"] = f"{type(err).__name__}: {err}"
+            return
+        row["target_alone"] = {k: out[k] for k in STATS}
+        row["texts"][TARGET_ALONE] = out["text"]
 
 
 def pooled_alpha(stats: Sequence[dict]) -> float:
