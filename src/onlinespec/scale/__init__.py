@@ -14,6 +14,7 @@ group owns the group's replay buffers and publishes to the drafts' registries::
 - :mod:`onlinespec.scale.learners`: the learner actor and a replica's client of it.
 - :mod:`onlinespec.scale.replicas`: the replica actor.
 - :mod:`onlinespec.scale.cluster`: :class:`RayCore`, what the app serves from.
+- :mod:`onlinespec.scale.metrics`: the front's ``/metrics``, every replica's merged.
 
 Ray is an optional extra (``pip install onlinespec[ray]``). docs/scale.md has the design, what
 it costs and how it maps to a multi-node cluster.

@@ -1,4 +1,3 @@
-# Over 500 lines: the Ray front mirrors ServingCore's surface; it shrinks once the core's handles and errors have a module of their own (issue 29).
 """The front of a Ray deployment: what the OpenAI-compatible app serves from when there are replicas.
 
 :class:`RayCore` has the surface of :class:`~onlinespec.serve.core.ServingCore` that the app uses
@@ -36,17 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
+from onlinespec.scale.metrics import ClusterMetrics
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
-from onlinespec.serve.metrics import PREFIX
 from onlinespec.serve.operations import purge_cutoff, require_learning
 from onlinespec.tokens import Prompt
 
@@ -127,7 +124,7 @@ class RayCore:
         self._stopping, self._stopped = threading.Event(), threading.Event()
         self._chosen = 0
         self._started_ray = False
-        self.metrics = _ClusterMetrics(self)
+        self.metrics = ClusterMetrics(lambda: self.replicas)
 
     @property
     def ready(self) -> bool:
@@ -470,48 +467,3 @@ class RayCore:
     def event(self, event: dict) -> None:
         self.events.write(event)
 
-
-class _ClusterMetrics:
-    """``/metrics`` of the front: every ready replica's metrics with a ``replica`` label, and
-    the front's own (replicas ready, restarts)."""
-
-    def __init__(self, core: RayCore) -> None:
-        self.core = core
-        self.registry = CollectorRegistry()
-        self.ready = Gauge(PREFIX + "replicas_ready", "Serving replicas in rotation", registry=self.registry)
-        self.restarts = Gauge(PREFIX + "replica_restarts", "Times Ray restarted a replica", ("replica",), registry=self.registry)
-
-    def text(self) -> str:
-        self.ready.set(sum(r.ready for r in self.core.replicas))
-        for replica in self.core.replicas:
-            self.restarts.labels(replica.name).set(replica.restarts)
-        parts = [generate_latest(self.registry).decode()]
-        replicas = [r for r in self.core.replicas if r.ready]
-        texts = []
-        for replica in replicas:
-            try:
-                texts.append((replica.name, ray.get(replica.actor.metrics.remote(), timeout=5)))
-            except Exception:
-                continue
-        parts.append(label_replicas(texts))
-        return "".join(parts)
-
-
-def label_replicas(texts: list[tuple[str, str]]) -> str:
-    """Prometheus texts of several replicas as one, each sample labelled with its replica."""
-    families: dict[str, tuple] = {}
-    for replica, text in texts:
-        for family in text_string_to_metric_families(text):
-            _, _, samples = families.setdefault(family.name, (family.type, family.documentation, []))
-            samples += [(s.name, {**s.labels, "replica": replica}, s.value) for s in family.samples]
-    lines = []
-    for name, (kind, doc, samples) in families.items():
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
-        for sample, labels, value in samples:
-            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            lines.append(f"{sample}{{{inner}}} {value!r}" if math.isfinite(value) else f"{sample}{{{inner}}} {value}")
-    return "\n".join(lines) + "\n" if lines else ""
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
