@@ -104,6 +104,7 @@ class ServingCore:
 
     @property
     def requests_served(self) -> int:
+        """Requests answered so far (the event log's learning lines carry it; a Ray replica reports it)."""
         return self.recorder.served if self.recorder is not None else 0
 
     # ---- start and stop ---------------------------------------------------------------------
@@ -169,7 +170,7 @@ class ServingCore:
                               suffix_tokens=config.suffix_tokens if learning else 0,
                               content=config.content if content else None, max_in_memory=config.max_drafts,
                               learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica, turns=self.share.turns if self.share else None)
+                              keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.static
