@@ -211,3 +211,22 @@ def test_an_index_whose_parts_disagree_or_name_no_tokenizer_is_refused(tmp_path)
     mine.identity = "this tokenizer"
     with pytest.raises(IdentityMismatch):
         mine.load(path)
+
+
+def test_an_index_purged_on_disk_keeps_its_tokenizer_so_its_server_starts_again(tmp_path):
+    """A purge of a saved index (``onlinespec data purge``, or a draft that is not in memory)
+    opens it without knowing the tokenizer: the file it saves again still names it."""
+    path = tmp_path / "index.safetensors"
+    index = SuffixIndex()
+    index.identity = "tok"
+    index.add([1, 2, 3, 4], "secret")
+    index.add([1, 2, 3, 5], "kept")
+    index.save(path)
+    offline = SuffixIndex()
+    offline.load(path)
+    assert offline.purge(request_id="secret") == 1
+    offline.save(path)
+    again = SuffixIndex()
+    again.identity = "tok"
+    again.load(path)
+    assert len(again) == 1

@@ -308,6 +308,7 @@ class SuffixIndex:
                 raise IdentityMismatch(f"the suffix index {path} was built with another tokenizer ({meta.get('tokenizer')!r}, "
                                        f"this run's is {self.identity!r}): give this run another --out-dir, or start it "
                                        "with the same target")
+            self.identity = self.identity or meta.get("tokenizer", "")  # opened to purge a saved one: saved again with its own
             tokens, lengths, created = f.get_tensor("tokens"), f.get_tensor("lengths"), f.get_tensor("created_at")
         request_ids = json.loads(meta["request_ids"])
         tenants = json.loads(meta.get("tenants", "null")) or [""] * len(request_ids)  # saved before tenants: all shared
