@@ -87,7 +87,7 @@ def export_head() -> None:
 
 def serve_last_again(queries, args, mode: str) -> None:
     from onlinespec.decoding.proposers.suffix import SuffixIndex
-    from onlinespec.online.pool import SUFFIX_FILE
+    from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE
 
     out_dir, saved = WORK / mode, WORK / f"{mode}.json"
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -207,3 +207,69 @@ def test_a_purge_takes_a_far_prompt_out_of_the_router_and_its_saved_state():
     assert router.purge(request_id="secret") == 1
     state = router.state()
     assert not router._far and "secret" not in json.dumps(state) and not ContentRouter.from_state(state)._far
+
+
+def test_content_routing_spawns_evicts_and_reloads_a_pools_drafts_and_a_restart_routes_as_before(tmp_path):
+    """ContentRouting carries the router's decisions out through the pool's hands alone (open,
+    unload): a new domain's cluster gets a draft of its own, past max_in_memory the idle one
+    leaves memory and comes back with its cluster, and a restart reopens what was in memory."""
+    import threading
+    from dataclasses import dataclass, field
+
+    from onlinespec.routing.lifecycle import ContentRouting
+
+    @dataclass
+    class Learner:
+        busy: bool = False
+
+        def hurry(self) -> None:
+            pass
+
+    @dataclass
+    class Draft:
+        name: str
+        learner: Learner | None = field(default_factory=Learner)
+        in_flight: int = 0
+        last_used: int = 0
+
+    class Pool:
+        def __init__(self) -> None:
+            self.drafts: dict[str, Draft] = {}
+
+        def open(self, name, start_from=None):
+            return self.drafts.setdefault(name, Draft(name))
+
+        def unload(self, name) -> None:
+            del self.drafts[name]
+
+        def alphas(self, drafts, records):
+            return dict.fromkeys(drafts, 0.5)
+
+    def start(pool: Pool) -> ContentRouting:
+        return ContentRouting(ContentConfig(idle_requests=20), tmp_path, pool, Draft(STATIC, None), threading.RLock(),
+                              max_in_memory=1, on_event=lambda event: None, priority="normal")
+
+    def home(routing: ContentRouting, domain: str) -> str:
+        route = routing.route(draw(domain))
+        routing.release(route)
+        return route.home.name
+
+    draw = domain_embeddings()
+    pool = Pool()
+    routing = start(pool)
+    try:
+        assert {home(routing, "a") for _ in range(40)} == {"c0"}
+        b = [home(routing, "b") for _ in range(40)][-1]
+        assert b != "c0" and set(pool.drafts) == {b} and routing.evicted == {"c0"}  # one fits in memory
+        assert home(routing, "a") == "c0" and set(pool.drafts) == {"c0"}  # reloaded with its cluster
+        assert routing.lifecycle == {"spawned": 2, "evicted": 2, "reloaded": 1, "retired": 0}
+    finally:
+        routing.close()
+    checked: list[str] = []
+    again = start(Pool())
+    try:
+        again.reopen(["c0", b], check=checked.append)
+        assert set(again.pool.drafts) == {"c0"} and checked == [b] and again.evicted == {b}
+        assert home(again, "a") == "c0" and again.router.requests == 82
+    finally:
+        again.close()

@@ -616,7 +616,7 @@ def drafts_list(directory: RegistryOpt = Path("runs/online/drafts"), draft: Draf
 
 def _routing_table(out_dir: Path) -> None:
     """Content routing's lifecycle and clusters, as the server last saved them (``routing.json``)."""
-    from onlinespec.online.pool import ROUTING_FILE
+    from onlinespec.routing.lifecycle import ROUTING_FILE
 
     path = out_dir / ROUTING_FILE
     if not path.exists():

@@ -230,3 +230,34 @@ def test_an_index_purged_on_disk_keeps_its_tokenizer_so_its_server_starts_again(
     again.identity = "tok"
     again.load(path)
     assert len(again) == 1
+
+def test_a_pools_index_files_are_loaded_set_aside_saved_and_purged(tmp_path):
+    """SuffixFiles keeps each draft's index in <root>/<draft>/: loaded when its draft opens, an
+    unreadable file set aside (the index starts empty), a file of another tokenizer refused; a
+    purge reaches the indices in memory and those saved only, and deletes set-aside copies."""
+    from onlinespec.decoding.proposers.suffix import IdentityMismatch
+    from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, SuffixFiles, purge_saved_suffix
+
+    files = SuffixFiles(tmp_path, max_tokens=1000, identity="tok")
+    index = SuffixIndex()
+    files.open("a", index)
+    index.add([1, 2, 3, 4], "secret")
+    index.add([5, 6, 7, 8], "kept")
+    files.close("a")  # its draft leaves memory: saved
+    again = SuffixIndex()
+    files.open("a", again)
+    assert len(again) == 2 and again.max_tokens == 1000
+    with pytest.raises(IdentityMismatch):
+        SuffixFiles(tmp_path, identity="another tokenizer").open("a", SuffixIndex())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / SUFFIX_FILE).write_bytes(b"\x00" * 40)
+    fresh = SuffixIndex()
+    files.open("b", fresh)
+    assert len(fresh) == 0 and list((tmp_path / "b" / "quarantine").glob(f"{SUFFIX_FILE}.*"))
+    fresh.add([1, 2, 3, 9], "secret")
+    assert files.purge(request_id="secret") == 2 and len(again) == 1 and len(fresh) == 0
+    assert not list((tmp_path / "b" / "quarantine").iterdir())  # a set-aside copy may hold the request
+    files.close("a")
+    assert purge_saved_suffix(tmp_path, request_id="kept") == 1  # on disk only: a stopped server's, or an evicted draft's
+    files.open("a", again)
+    assert len(again) == 0

@@ -72,15 +72,15 @@ def test_a_draft_a_merge_retires_while_it_serves_leaves_memory_once_it_is_done(t
         for name in ("c0", "c1"):
             pool.drafts[name] = pool._create(name)
         pool.drafts["c0"].in_flight = 1  # it serves a request when its cluster merges into c1's
-        pool.content.events.append({"event": "merge", "draft": "c1", "retired": "c0", "merged": 0, "cluster": 1})
-        with pool._lock:
-            pool._apply_events()
-        assert "c0" in pool.drafts and "c0" in pool.retired
+        pool.content.router.events.append({"event": "merge", "draft": "c1", "retired": "c0", "merged": 0, "cluster": 1})
+        with pool.content.lock:
+            pool.content._apply_events()
+        assert "c0" in pool.drafts and "c0" in pool.content.retired
         pool.drafts["c0"].in_flight = 0
         pool.tick()
-        assert set(pool.drafts) == {"c1"} and "c0" not in pool.evicted  # retired, not waiting to come back
+        assert set(pool.drafts) == {"c1"} and "c0" not in pool.content.evicted  # retired, not waiting to come back
     finally:
-        pool.stop_scoring()
+        pool.close()
 
 
 def test_a_purge_reaches_a_draft_on_disk_that_is_not_in_memory(tiny_llama, tmp_path):
@@ -107,7 +107,8 @@ def test_an_offline_purge_reaches_routing_state_and_every_event_log(tmp_path):
     import json
 
     from onlinespec.routing.content import ContentRouter
-    from onlinespec.online.pool import ROUTING_FILE, purge_saved
+    from onlinespec.online.pool import purge_saved
+    from onlinespec.routing.lifecycle import ROUTING_FILE
     from tests.test_content import domain_embeddings, serve
 
     draw = domain_embeddings(seed=11)

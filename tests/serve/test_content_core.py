@@ -12,7 +12,7 @@ from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.pool import ROUTING_FILE
+from onlinespec.routing.lifecycle import ROUTING_FILE
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 
@@ -88,6 +88,7 @@ def test_a_scorer_that_falls_behind_drops_the_oldest_requests_and_serving_goes_o
     import threading
 
     import onlinespec.online.pool as pool_module
+    import onlinespec.routing.lifecycle as lifecycle_module
 
     release = threading.Event()
     real = pool_module.learnable
@@ -100,7 +101,7 @@ def test_a_scorer_that_falls_behind_drops_the_oldest_requests_and_serving_goes_o
             release.wait(60)
             return self.inner.metrics(*args, **kwargs)
 
-    monkeypatch.setattr(pool_module, "SCORE_BACKLOG", 2)
+    monkeypatch.setattr(lifecycle_module, "SCORE_BACKLOG", 2)
     monkeypatch.setattr(pool_module, "learnable", lambda model: Stuck(model) if threading.current_thread().name == "onlinespec-scorer" else real(model))
     target = load_model(str(tiny_target_folder))
     alone = SpeculativeDecoder(target.model, target.tokenizer, None)

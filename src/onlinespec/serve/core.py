@@ -48,7 +48,8 @@ from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.models import LoadedModel, load_target
-from onlinespec.online.pool import SUFFIX_FILE, Draft, DraftPool, replica_suffix_file, saved_drafts
+from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
+from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.routing.domains import Router
 from onlinespec.serve.admission import Domains, encode, named_draft, queue_full, token_budget
@@ -173,7 +174,7 @@ class ServingCore:
                               keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
-            self.baselines[STATIC] = self.pool.static
+            self.baselines[STATIC] = self.pool.content.static
         elif config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
         curve = options.get("cost_curve")
@@ -217,9 +218,7 @@ class ServingCore:
             self._calls.get_nowait()[1].set_exception(Unavailable("the server is shutting down"))
         self.recorder.stop()
         self._housekeeper.join(60)
-        self.pool.stop_scoring()
-        self.pool.save_suffix(force=True)
-        self.pool.save_routing(force=True)
+        self.pool.close()
         for learner in self.pool.learners:
             learner.stop(timeout=60)
         self.event({"event": "stop", "requests_served": self.requests_served, "governance": self.pool.governance()})
@@ -253,7 +252,7 @@ class ServingCore:
         params = params or SamplingParams()
         params = replace(params, max_new_tokens=token_budget(self.engine, len(ids), max_tokens, self.config.default_max_tokens))
         by_content = draft is None and self.pool.content is not None
-        chosen = (self.pool.provisional(load=False) or self._on_engine(self.pool.provisional)) if by_content else self._draft(domain, draft)
+        chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -392,11 +391,11 @@ class ServingCore:
         state = handle.state
         if state.prompt_embedding is None:  # a model without hidden states to read, or nothing left to serve
             return
-        route = self.pool.route_content(state.prompt_embedding, handle.domain, handle.request_id)
+        route = self.pool.content.route(state.prompt_embedding, handle.domain, handle.request_id)
         state.prompt_embedding = None
         with self._lock:  # cancelled (or failed) meanwhile, on another thread: give the drafts back now
             if state.id not in self._handles:
-                self.pool.release(route)
+                self.pool.content.release(route)
                 return
             handle.route, handle.home, handle.draft = route, route.home, route.serve
         if route.serve.proposer is not state.proposer:
@@ -408,7 +407,7 @@ class ServingCore:
 
     def _release(self, handle: Handle) -> None:
         if handle.route is not None:
-            self.pool.release(handle.route)
+            self.pool.content.release(handle.route)
             handle.route = None
 
     def _expire(self) -> None:
@@ -456,7 +455,7 @@ class ServingCore:
 
     def routing(self) -> dict:
         """Content routing's clusters, lifecycle counts and detections (empty for other routers)."""
-        return self.pool.routing()
+        return self.pool.content.report() if self.pool.content is not None else {}
 
     def learning(self) -> dict:
         """Whether the drafts learn and, when learning takes the engine's turns, the engine time it

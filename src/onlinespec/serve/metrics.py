@@ -128,7 +128,7 @@ class ServeMetrics:
             self.lifecycle.labels("retired").inc()
         elif kind == "scorer_behind":
             self.unscored.inc(event["dropped"])
-        self.clusters.set(sum(k.live for k in pool.content.clusters.values()))
+        self.clusters.set(sum(k.live for k in pool.content.router.clusters.values()))
         self.in_memory.set(len(pool.drafts))
 
     def learner(self, event: dict) -> None:

@@ -79,7 +79,7 @@ def draft_rows(pool: DraftPool, baselines: dict[str, Draft]) -> list[dict]:
             row.update(learner_row(draft.learner))
         rows.append(row)
     if pool.content is not None:  # content routing: where each draft is, and what it serves
-        routing = pool.routing()
+        routing = pool.content.report()
         homes: dict[str, list[int]] = {}
         for cluster in routing["clusters"]:
             homes.setdefault(cluster["draft"], []).append(cluster["cluster"])
