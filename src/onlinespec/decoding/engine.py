@@ -135,7 +135,7 @@ class SpeculativeEngine:
         keep = {id(r) for r in active if not r.finished}
         runner.release([r for r in runner.holding() if id(r) not in keep])
         for proposer in {id(r.proposer): r.proposer for r in active if r.proposer is not None}.values():
-            if hasattr(proposer, "take_swap"):
+            if proposer.swappable:
                 proposer.take_swap()
         decoding: list[RequestState] = list(runner.rows)
         running = {id(r) for r in decoding}
@@ -160,7 +160,7 @@ class SpeculativeEngine:
             blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, blocks_props)]
             tick = time.perf_counter()
             logits, hidden = runner.forward(blocks)
-            if not any(getattr(r.proposer, "uses_features", False) for r in decoding):
+            if not any(_uses_features(r) for r in decoding):
                 hidden = None
             target_seconds = time.perf_counter() - tick
             kept = []
@@ -185,7 +185,7 @@ class SpeculativeEngine:
                 if hidden is not None:
                     if cached == len(r.prompt_ids):
                         r.add_prompt_states(hidden[:1])  # the prompt's last position
-                    hidden = hidden if getattr(r.proposer, "uses_features", False) else None
+                    hidden = hidden if _uses_features(r) else None
                 seconds = time.perf_counter() - tick
                 prefill_seconds += seconds
                 prefill_tokens += len(rest)
@@ -271,7 +271,7 @@ class SpeculativeEngine:
                 drafted = proposer.propose(inputs)
             except Exception:  # drafts are advice: these requests are verified without proposals this step
                 logging.getLogger("onlinespec.engine").exception("proposer %s failed; its requests go on undrafted",
-                                                                 getattr(proposer, "name", type(proposer).__name__))
+                                                                 proposer.name)
                 self.draft_failures += 1
                 continue
             for i, proposal in zip(members, drafted):
@@ -328,3 +328,8 @@ def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdic
     if r.params.greedy:
         return verify_greedy(proposal.tokens, logits)
     return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, r.params), r.generator)
+
+
+def _uses_features(r: RequestState) -> bool:
+    """Whether the request's proposer reads the target's hidden states (the target alone reads none)."""
+    return r.proposer is not None and r.proposer.uses_features

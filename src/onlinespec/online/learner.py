@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from onlinespec.cpu import lower_priority, name_thread
-from onlinespec.decoding.proposers.draft_model import DraftModelProposer
+from onlinespec.decoding.proposers.base import SwappableDraft
 from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.step import DistillConfig
@@ -138,7 +138,7 @@ class UpdateReport:
 class OnlineLearner:
     def __init__(
         self,
-        proposer: DraftModelProposer,
+        proposer: SwappableDraft,
         buffer: ReplayBuffer,
         registry: DraftRegistry,
         config: LearnerConfig | None = None,

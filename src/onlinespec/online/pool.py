@@ -72,7 +72,7 @@ class Draft:
 
     @property
     def version(self) -> str | None:
-        return getattr(self.proposer, "version", None)
+        return self.proposer.version if self.proposer is not None else None
 
 
 def learner_row(learner: OnlineLearner) -> dict:
@@ -208,17 +208,17 @@ class DraftPool:
             origin = {"note": f"spawned from draft {start_from.name} {start_from.version}",
                       "spawned_from": {"draft": start_from.name, "version": start_from.version}}
         learner = None
-        model_free = getattr(proposer, "suffix_index", None) is not None and not hasattr(proposer, "swap_model")
-        if self.learner_config is not None and not model_free:  # a suffix proposer learns through its index alone
-            if not hasattr(proposer, "swap_model"):
+        swappable = proposer is not None and proposer.swappable
+        index = proposer.suffix_index if proposer is not None else None
+        if self.learner_config is not None and (swappable or index is None):  # a suffix proposer learns through its index alone
+            if not swappable:
                 raise ValueError(f"online learning needs a learned draft (a draft LM, a head, a hybrid) or a suffix index, "
-                                 f"not {getattr(proposer, 'name', 'none')!r}")
+                                 f"not {proposer.name if proposer is not None else 'none'!r}")
             learner = self._learners(name, proposer, origin)
             data = learner.governance()
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
                            "quarantined": data["quarantined"]})
         draft = Draft(name, proposer, adaptive, learner)
-        index = getattr(proposer, "suffix_index", None)
         if index is not None and self.suffix_tokens > 0:
             self.suffixes.open(name, index)
             draft.suffix = index

@@ -400,7 +400,7 @@ class ServingCore:
             handle.route, handle.home, handle.draft = route, route.home, route.serve
         if route.serve.proposer is not state.proposer:
             # a head's state is the target's feature, whoever drafts; a draft LM's is its own cache: start afresh
-            keep = type(route.serve.proposer) is type(state.proposer) and getattr(state.proposer, "uses_features", False)
+            keep = type(route.serve.proposer) is type(state.proposer) and state.proposer.uses_features
             state.proposer, state.adaptive = route.serve.proposer, route.serve.adaptive
             if not keep:
                 state.draft_state = state.proposer.start(state.prompt_ids)

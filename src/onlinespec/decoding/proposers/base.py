@@ -8,6 +8,10 @@ some proposals, by comparing the ids it is given with what it has seen.
 
 A learned proposer's model sits in a :class:`ModelSlot`: the online learner hands a new one over
 from its own thread, and the engine takes it between steps, so a step sees one draft throughout.
+
+What a proposer can do (read the target's features, have its model swapped, learn through a
+suffix index) is declared on :class:`Proposer` with a default and overridden where it holds, so
+the engine, the pool and the server read an attribute instead of probing the object.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -54,14 +58,24 @@ class DraftInput:
     tenant: str = ""  # whose earlier requests a suffix index may draft from (SuffixIndex.match)
 
 
-class Proposer(Protocol):
-    """Optionally, ``uses_features = True`` plus ``observe(state, feature)``: the engine then hands
-    the proposer the target's post-norm hidden state at each request's last verified position."""
+class Proposer:
+    """The base of every drafter: how the engine calls it, and what it declares it can do."""
 
-    name: str
+    name: str = "draft"  # for logs, metrics and the registry (each drafter names itself)
+    source: str = "draft"  # the ``Proposal.source`` of what it drafts itself
+    # Wants the target's post-norm hidden state at each request's last verified position: the
+    # engine then keeps the batched forward's hidden states and calls :meth:`observe`.
+    uses_features: bool = False
+    # Its model sits in a ModelSlot the online learner replaces (SwappableDraft): it can learn.
+    swappable: bool = False
+    # The SuffixIndex of earlier requests it drafts from (proposers.suffix, which imports this
+    # module): it learns from every request served, model-free.
+    suffix_index: Any = None
+    version: str | None = None  # the serving model's version (a swappable draft's slot has one)
 
     def start(self, prompt_ids: list[int]) -> Any:
         """A new request starts: its draft state (``None`` when the proposer needs none)."""
+        return None
 
     def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
         """Propose at most ``k`` tokens that follow ``ids``, for every request of ``batch``.
@@ -69,13 +83,15 @@ class Proposer(Protocol):
         Sampling (``params.temperature > 0``) proposers that draw at random must draw with the
         request's own generator and return the distributions they drew from in ``probs``.
         """
+        raise NotImplementedError
+
+    def observe(self, state: Any, feature: torch.Tensor) -> None:
+        """The target's feature at the request's last verified position (only if ``uses_features``)."""
+        raise NotImplementedError
 
 
-class PerRequestProposer:
+class PerRequestProposer(Proposer):
     """Base for proposers that draft each request on its own (n-gram lookup, a draft LM)."""
-
-    def start(self, prompt_ids: list[int]) -> Any:
-        return None
 
     def propose(self, batch: Sequence[DraftInput]) -> list[Proposal]:
         return [self.propose_one(d) for d in batch]
@@ -107,9 +123,10 @@ class ModelSlot:
         return True
 
 
-class SwappableDraft:
+class SwappableDraft(Proposer):
     """A proposer whose model the online learner replaces while it serves (draft LM, head)."""
 
+    swappable = True
     slot: ModelSlot
 
     @property
@@ -130,4 +147,5 @@ class SwappableDraft:
         self.slot.offer(model, version)
 
     def take_swap(self) -> bool:
+        """Serve the model handed over last, if any (the engine calls this between steps)."""
         return self.slot.take()

@@ -61,7 +61,7 @@ class DraftModelProposer(PerRequestProposer, SwappableDraft):
                 rows.append(probs)
             tokens.append(token)
             pending = [token]
-        return Proposal(tokens, torch.stack(rows) if rows else None, forward)
+        return Proposal(tokens, torch.stack(rows) if rows else None, forward, source=self.source)
 
 
 def _sync(state: DraftLMState, ids: list[int]) -> list[int]:

@@ -25,8 +25,8 @@ class HeadState:
 
 
 class FeatureHeadProposer(SwappableDraft):
-    uses_features = True
-    source = "head"  # Proposal.source of its proposals
+    source = "head"
+    uses_features = True  # it chains from the target's feature, handed over by observe
 
     def __init__(self, head: FeatureHead, name: str = "feature-head", version: str = "v0") -> None:
         self.name = name

@@ -28,7 +28,9 @@ from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
 
 class HybridProposer(SwappableDraft):
-    def __init__(self, learned, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
+    """Swappable, and feature-reading when its learned draft is: the learner trains that draft."""
+
+    def __init__(self, learned: SwappableDraft, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
                  min_match: int = 3, learned_k: int | None = 4) -> None:
         """``min_ngram``: the shortest prompt-lookup match that wins over the learned draft;
         ``min_match``: the shortest suffix-index match considered (``suffix_index=None``: none);
@@ -39,7 +41,7 @@ class HybridProposer(SwappableDraft):
         self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
         self.suffix_index = suffix_index
         self.name = f"hybrid(ngram:{max_ngram}{'+suffix' if suffix_index is not None else ''}+{learned.name})"
-        self.uses_features = getattr(learned, "uses_features", False)
+        self.uses_features = learned.uses_features
 
     @property
     def slot(self) -> ModelSlot:
@@ -77,5 +79,5 @@ class HybridProposer(SwappableDraft):
         # the bins a request's own verdicts calibrate: by confidence when greedy, by step when sampled
         mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=d.params.greedy), len(proposal))
         k = d.k if self.learned_k is None else min(d.k, self.learned_k)
-        learned = expected_tokens(d.adaptive.source_estimates(getattr(self.learned, "source", "draft"), k), k)
+        learned = expected_tokens(d.adaptive.source_estimates(self.learned.source, k), k)
         return mine >= learned

@@ -333,13 +333,15 @@ class SuffixProposer(PerRequestProposer):
     ``min_match``: the shortest suffix match (tokens) the index proposes from.
     """
 
+    source = "suffix"  # and "ngram" for what prompt lookup copies
+
     def __init__(self, index: SuffixIndex | None = None, max_ngram: int = 3, min_ngram: int = 2, min_match: int = 3) -> None:
         self.suffix_index = index or SuffixIndex()
         self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
         self.name = f"suffix(ngram:{max_ngram})"
 
     def propose_one(self, d: DraftInput) -> Proposal:
-        return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(source="suffix")
+        return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(source=self.source)
 
 
 def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int, min_ngram: int, min_match: int) -> Proposal | None:
