@@ -1,20 +1,22 @@
 """The batched propose / verify step: every running request advances one round per step.
 
-One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.step`):
+One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.step`), in phases:
 
-1. **leave / swap**: rows of requests that finished or were dropped leave the batch cache; each
-   learned proposer takes a draft the online learner handed over (between steps only);
-2. **prefill**: a new request's prompt runs in forwards of its own, in chunks of at most
+1. **leave** (``_leave``): rows of requests that finished or were dropped leave the batch cache;
+   each learned proposer takes a draft the online learner handed over (between steps only);
+2. **admit** (``_admit``): a new request's prompt runs in forwards of its own, in chunks of at most
    ``prefill_chunk`` tokens per step while others are decoding (a long prompt never stalls them for
-   long); the last chunk carries its first proposals, so prefill and the first verification share a
-   pass, and then the request joins the batch cache;
-3. **draft**: each proposer drafts for all its requests in one call, as many tokens as the cost
-   model says pay at this batch size (:func:`~onlinespec.decoding.adaptive.proposal_budget`);
-4. **verify**: ONE target forward over every running request's block (its last token and its
-   proposals, padded to the step's width, :func:`~onlinespec.decoding.adaptive.plan_step`);
-   :mod:`onlinespec.decoding.verify` accepts a prefix per request and adds one token;
-5. **commit**: each request keeps its accepted columns in the cache (the rest become holes,
-   :mod:`onlinespec.decoding.batch_cache`), records its trace, and stops where it must.
+   long); the last chunk waits for its first proposals;
+3. **draft** (``_draft``): each proposer drafts for all its requests in one call, as many tokens as
+   the cost model says pay at this batch size (:func:`~onlinespec.decoding.adaptive.proposal_budget`);
+4. **verify** (``_verify_batch``): ONE target forward over every running request's block (its last
+   token and its proposals, padded to the step's width, :func:`~onlinespec.decoding.adaptive.plan_step`);
+   :mod:`onlinespec.decoding.verify` accepts a prefix per request and adds one token; each request
+   keeps its accepted columns in the cache (the rest become holes,
+   :mod:`onlinespec.decoding.batch_cache`), records its trace, and stops where it must
+   (``_finish_round``);
+5. **join** (``_verify_joining``): a request whose last prompt chunk runs now verifies its first
+   proposals in the same forward of its own, then joins the batch cache.
 
 Failures stay with the request that caused them. What raises in a request's own work (its
 prompt's forwards, its verification) finishes that request alone with ``error`` set, and the
@@ -39,7 +41,7 @@ from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
 from onlinespec.decoding.cost_curve import CostCurve
-from onlinespec.decoding.proposers.base import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import DraftInput, Proposal, Proposer
 from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
 from onlinespec.decoding.runners import TargetRunner
 from onlinespec.decoding.runners.torch_runner import TorchRunner
@@ -51,20 +53,27 @@ DEFAULT_PREFILL_CHUNK = 256
 
 @dataclass
 class StepReport:
-    """What one step ran: for the scheduler's metrics and the cost model's checks."""
+    """What one step ran: for the scheduler's metrics and the cost model's checks. The step's
+    phases fill it in as they go."""
 
-    batch: int  # requests verified in the batched forward
-    width: int  # its block width (before any padding the runner adds)
-    context: int  # cache columns it attended over (holes included)
-    proposed: int
-    accepted: int
-    emitted: int  # tokens emitted by every request of the step
-    prefill_tokens: int
-    draft_seconds: float
-    target_seconds: float  # the batched forward
-    prefill_seconds: float  # prompt forwards (chunks and joining requests)
-    seconds: float
+    batch: int = 0  # requests verified in the batched forward
+    width: int = 0  # its block width (before any padding the runner adds)
+    context: int = 0  # cache columns it attended over (holes included)
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens emitted by every request of the step
+    prefill_tokens: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0  # the batched forward
+    prefill_seconds: float = 0.0  # prompt forwards (chunks and joining requests)
+    seconds: float = 0.0
     failed: list[RequestState] = field(default_factory=list)  # requests this step failed alone (their ``error``)
+
+    def add_round(self, proposal: Proposal, accepted: int, request: RequestState) -> None:
+        """Count one request's verified round."""
+        self.proposed += len(proposal)
+        self.accepted += accepted
+        self.emitted += len(request.new_tokens)
 
 
 class SpeculativeEngine:
@@ -131,89 +140,44 @@ class SpeculativeEngine:
     def step(self, active: list[RequestState]) -> StepReport:
         """Advance every unfinished request of ``active`` by one round (or one prefill chunk)."""
         start = time.perf_counter()
-        runner = self.runner
-        keep = {id(r) for r in active if not r.finished}
-        runner.release([r for r in runner.holding() if id(r) not in keep])
-        for proposer in {id(r.proposer): r.proposer for r in active if r.proposer is not None}.values():
-            if proposer.swappable:
-                proposer.take_swap()
-        decoding: list[RequestState] = list(runner.rows)
-        running = {id(r) for r in decoding}
-        waiting = [r for r in active if not r.finished and id(r) not in running]
-        failed: list[RequestState] = []
-        joining, prefill_seconds, prefill_tokens = self._prefill(waiting, bool(decoding), failed)
+        self._leave(active)
+        decoding: list[RequestState] = list(self.runner.rows)
+        report = StepReport(batch=len(decoding))
+        joining = self._admit(active, decoding, report)
         for r in active:
             r.new_tokens = []
-
-        rows = joining + decoding
         tick = time.perf_counter()
-        proposals = self._draft(rows, len(joining))
-        draft_seconds = time.perf_counter() - tick
-
-        # the batched forward over the running requests
-        width, context, target_seconds, proposed, accepted = 0, runner.columns, 0.0, 0, 0
-        emitted = 0
+        proposals = self._draft(joining + decoding, len(joining))
+        report.draft_seconds = time.perf_counter() - tick
+        report.context = self.runner.columns
         if decoding:
-            plan_rows = [self._plan_row(r, p, 1) for r, p in zip(decoding, proposals[len(joining):])]
-            width, counts = plan_step(plan_rows, context)
-            blocks_props = [trim(p, n) for p, n in zip(proposals[len(joining):], counts)]
-            blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, blocks_props)]
-            tick = time.perf_counter()
-            logits, hidden = runner.forward(blocks)
-            if not any(_uses_features(r) for r in decoding):
-                hidden = None
-            target_seconds = time.perf_counter() - tick
-            kept = []
-            for b, (r, proposal) in enumerate(zip(decoding, blocks_props)):
-                timing = RoundTiming(len(proposal), draft_seconds, target_seconds, len(decoding))
-                try:
-                    n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
-                except Exception as err:  # this row's verification: it fails alone, released below
-                    self._failed(r, err, failed)
-                    n_accepted = 0
-                kept.append(1 + n_accepted)
-                proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
-            runner.commit(kept)
-
-        # requests whose last prompt chunk runs now: prefill + first verification in one forward of their own
-        for r, proposal in zip(joining, proposals[: len(joining)]):
-            rest, cached = r.ids[r.prefilled:], len(r.ids)  # the prompt, or all the text of a request recomputed
-            proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
-            try:
-                tick = time.perf_counter()
-                logits, hidden = runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
-                if hidden is not None:
-                    if cached == len(r.prompt_ids):
-                        r.add_prompt_states(hidden[:1])  # the prompt's last position
-                    hidden = hidden if _uses_features(r) else None
-                seconds = time.perf_counter() - tick
-                prefill_seconds += seconds
-                prefill_tokens += len(rest)
-                r.prefilled = cached
-                n_accepted = self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), draft_seconds, seconds, 1))
-            except Exception as err:  # its own forward or verification: it fails alone
-                self._failed(r, err, failed)
-                runner.release([r])
-                continue
-            proposed, accepted, emitted = proposed + len(proposal), accepted + n_accepted, emitted + len(r.new_tokens)
-            if r.finished:
-                runner.release([r])
-            else:
-                runner.join(r, cached + n_accepted)
-
-        runner.release([r for r in runner.rows if r.finished])
-        return StepReport(len(decoding), width, context, proposed, accepted, emitted, prefill_tokens,
-                          draft_seconds, target_seconds, prefill_seconds, time.perf_counter() - start, failed)
+            self._verify_batch(decoding, proposals[len(joining):], report)
+        self._verify_joining(joining, proposals[: len(joining)], report)
+        self.runner.release([r for r in self.runner.rows if r.finished])
+        report.seconds = time.perf_counter() - start
+        return report
 
     # ---- the parts of a step ----------------------------------------------------------------
 
-    def _prefill(self, waiting: list[RequestState], others_decoding: bool,
-                 failed: list[RequestState]) -> tuple[list[RequestState], float, int]:
-        """Run prompt chunks within this step's budget; return the requests whose last chunk
-        fits (they verify in this step) and the time and tokens spent on the other chunks."""
-        budget = self.prefill_chunk if others_decoding else None  # nobody waits on an empty batch
-        joining, seconds, tokens = [], 0.0, 0
-        for r in waiting:
+    def _leave(self, active: list[RequestState]) -> None:
+        """Rows of requests that finished or were dropped leave the batch cache, and each learned
+        proposer takes the draft the online learner handed over: between steps, so that a step
+        drafts with one draft throughout."""
+        keep = {id(r) for r in active if not r.finished}
+        self.runner.release([r for r in self.runner.holding() if id(r) not in keep])
+        for proposer in {id(r.proposer): r.proposer for r in active if r.proposer is not None}.values():
+            if proposer.swappable:
+                proposer.take_swap()
+
+    def _admit(self, active: list[RequestState], decoding: list[RequestState], report: StepReport) -> list[RequestState]:
+        """Run the prompt chunks of requests not in the batch yet, within this step's budget;
+        return those whose last chunk fits (they verify in this step, in forwards of their own)."""
+        running = {id(r) for r in decoding}
+        budget = self.prefill_chunk if decoding else None  # nobody waits on an empty batch
+        joining = []
+        for r in active:
+            if r.finished or id(r) in running:
+                continue
             rest = len(r.ids) - r.prefilled
             if budget is None or rest <= budget:
                 joining.append(r)
@@ -225,61 +189,133 @@ class SpeculativeEngine:
                 try:
                     self.runner.prefill(r, chunk)
                 except Exception as err:
-                    self._failed(r, err, failed)
+                    self._failed(r, err, report)
                     self.runner.release([r])
                     continue
-                seconds += time.perf_counter() - tick
+                report.prefill_seconds += time.perf_counter() - tick
                 r.prefilled += len(chunk)
-                tokens += len(chunk)
+                report.prefill_tokens += len(chunk)
                 budget = 0
-        return joining, seconds, tokens
+        return joining
+
+    def _verify_batch(self, decoding: list[RequestState], proposals: list[Proposal], report: StepReport) -> None:
+        """ONE target forward over every running request's block (its last token and its
+        proposals); each row verifies its own and keeps the columns it accepted."""
+        report.width, counts = plan_step([self._plan_row(r, p, 1) for r, p in zip(decoding, proposals)], report.context)
+        proposals = [trim(p, n) for p, n in zip(proposals, counts)]
+        blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, proposals)]
+        tick = time.perf_counter()
+        logits, hidden = self.runner.forward(blocks)
+        if not any(_uses_features(r) for r in decoding):
+            hidden = None
+        report.target_seconds = time.perf_counter() - tick
+        kept = []
+        for b, (r, proposal) in enumerate(zip(decoding, proposals)):
+            timing = RoundTiming(len(proposal), report.draft_seconds, report.target_seconds, len(decoding))
+            try:
+                n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
+            except Exception as err:  # this row's verification: it fails alone, released at the end of the step
+                self._failed(r, err, report)
+                n_accepted = 0
+            kept.append(1 + n_accepted)
+            report.add_round(proposal, n_accepted, r)
+        self.runner.commit(kept)
+
+    def _verify_joining(self, joining: list[RequestState], proposals: list[Proposal], report: StepReport) -> None:
+        """Requests whose last prompt chunk runs now: prefill and first verification share a
+        forward of their own; then each joins the batch cache (or leaves, finished or failed)."""
+        for r, proposal in zip(joining, proposals):
+            rest = r.ids[r.prefilled:]  # the prompt, or all the text of a request recomputed
+            proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
+            try:
+                n_accepted = self._prefill_and_verify(r, rest, proposal, report)
+            except Exception as err:  # its own forward or verification: it fails alone
+                self._failed(r, err, report)
+                self.runner.release([r])
+                continue
+            report.add_round(proposal, n_accepted, r)
+            if r.finished:
+                self.runner.release([r])
+            else:
+                self.runner.join(r, r.prefilled + n_accepted)
+
+    def _prefill_and_verify(self, r: RequestState, rest: list[int], proposal: Proposal, report: StepReport) -> int:
+        """One joining request's forward: the ``rest`` of its text not cached yet and its
+        proposals; return how many it accepted."""
+        cached = len(r.ids)
+        tick = time.perf_counter()
+        logits, hidden = self.runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+        if hidden is not None:
+            if cached == len(r.prompt_ids):
+                r.add_prompt_states(hidden[:1])  # the prompt's last position
+            hidden = hidden if _uses_features(r) else None
+        seconds = time.perf_counter() - tick
+        report.prefill_seconds += seconds
+        report.prefill_tokens += len(rest)
+        r.prefilled = cached
+        return self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), report.draft_seconds, seconds, 1))
 
     @staticmethod
-    def _failed(r: RequestState, err: Exception, failed: list[RequestState]) -> None:
+    def _failed(r: RequestState, err: Exception, report: StepReport) -> None:
         logging.getLogger("onlinespec.engine").exception("request %s failed in a step; the others go on", r.id)
         r.error = f"{type(err).__name__}: {err}"
-        failed.append(r)
+        report.failed.append(r)
 
     def _draft(self, rows: list[RequestState], n_joining: int) -> list[Proposal]:
         """Each proposer drafts for all its requests in one call (``rows``: the joining requests,
         then the running ones, whose proposal length the batch's budget caps)."""
+        asks = self._asks(rows, n_joining, self._budget(rows[n_joining:]))
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if asks[i] > 0:
+                groups.setdefault(id(r.proposer), []).append(i)
         proposals = [Proposal() for _ in rows]
-        decoding = rows[n_joining:]
+        for members in groups.values():
+            drafted = self._propose(rows[members[0]].proposer, [rows[i] for i in members], [asks[i] for i in members])
+            for i, proposal in zip(members, drafted):
+                proposals[i] = proposal
+        return proposals
+
+    def _budget(self, decoding: list[RequestState]) -> int:
+        """The most proposals a running request with adaptive k sends this step: as many as pay at
+        this batch size; one, when none pays but the planner wants the drafts measured again."""
         budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.runner.columns,
                                  self._draft_cost(decoding)) if decoding else self.k
         planner = next((r.adaptive for r in decoding if r.adaptive is not None and not r.fixed_k), None)
         self._exploring = budget == 0 and planner is not None and planner.idle_step()
         if self._exploring:  # measure the drafts again: this step drafts one token and verifies it
             budget = min(self.k, 1)
-        groups: dict[int, list[int]] = {}
-        asks: list[int] = []
+        return budget
+
+    def _asks(self, rows: list[RequestState], n_joining: int, budget: int) -> list[int]:
+        """How many tokens each request asks its proposer for: ``k``, never past the tokens it
+        has left, and for a running request with adaptive k, never past the step's budget."""
+        asks = []
         for i, r in enumerate(rows):
             k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
             if r.adaptive is not None and not r.fixed_k and i >= n_joining:
                 k = min(k, budget)
             asks.append(k)
-            if k > 0:
-                groups.setdefault(id(r.proposer), []).append(i)
-        for members in groups.values():
-            proposer = rows[members[0]].proposer
-            inputs = [DraftInput(rows[i].ids, asks[i], rows[i].params, rows[i].generator, rows[i].draft_state,
-                                 with_probs=rows[i].trace is not None, adaptive=None if rows[i].fixed_k else rows[i].adaptive,
-                                 tenant=rows[i].tenant)
-                      for i in members]
-            tick = time.perf_counter()
-            try:
-                drafted = proposer.propose(inputs)
-            except Exception:  # drafts are advice: these requests are verified without proposals this step
-                logging.getLogger("onlinespec.engine").exception("proposer %s failed; its requests go on undrafted",
-                                                                 proposer.name)
-                self.draft_failures += 1
-                continue
-            for i, proposal in zip(members, drafted):
-                proposals[i] = trim(proposal, asks[i])  # never more than asked, whatever the proposer did
-            seconds = (time.perf_counter() - tick) / max(asks[i] for i in members)
-            old = self._draft_step_seconds.get(id(proposer))
-            self._draft_step_seconds[id(proposer)] = seconds if old is None else 0.9 * old + 0.1 * seconds
-        return proposals
+        return asks
+
+    def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int]) -> list[Proposal]:
+        """One proposer's call for its requests, timed for the cost model; nothing if it raises
+        (drafts are advice: these requests are verified without proposals this step)."""
+        inputs = [DraftInput(r.ids, k, r.params, r.generator, r.draft_state, with_probs=r.trace is not None,
+                             adaptive=None if r.fixed_k else r.adaptive, tenant=r.tenant)
+                  for r, k in zip(requests, asks)]
+        tick = time.perf_counter()
+        try:
+            drafted = proposer.propose(inputs)
+        except Exception:
+            logging.getLogger("onlinespec.engine").exception("proposer %s failed; its requests go on undrafted", proposer.name)
+            self.draft_failures += 1
+            return []
+        drafted = [trim(proposal, k) for proposal, k in zip(drafted, asks)]  # never more than asked, whatever the proposer did
+        seconds = (time.perf_counter() - tick) / max(asks)
+        old = self._draft_step_seconds.get(id(proposer))
+        self._draft_step_seconds[id(proposer)] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        return drafted
 
     def _draft_cost(self, rows: list[RequestState]) -> float:
         return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})
