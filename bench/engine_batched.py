@@ -50,7 +50,8 @@ def load_legacy(rev: str):
 
 def compare_with_legacy(target, queries, new_tokens: int, rev: str) -> dict:
     """Tokens/s of the new engine over the legacy one at concurrency 1, prompt by prompt."""
-    from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+    from onlinespec.decoding.engine import DEFAULT_K
+    from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
     from onlinespec.decoding.sampling import SamplingParams
     from onlinespec.decoding.speculative import SpeculativeDecoder
 

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+from onlinespec.decoding.engine import DEFAULT_K
+from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.data import packaged_prompts
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder

@@ -12,7 +12,8 @@ import sys
 import tempfile
 import time
 
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K, engine_options, make_proposer
+from onlinespec.decoding.engine import DEFAULT_K
+from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.data.sources import packaged_prompts
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder

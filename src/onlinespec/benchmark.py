@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K, DraftChoice, engine_options, make_proposer, new_decoder
+from onlinespec.decoding.engine import DEFAULT_K
+from onlinespec.factory import DEFAULT_DRAFT, DraftChoice, engine_options, make_proposer, new_decoder
 from onlinespec.decoding import kernels
 from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query

@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_K
+from onlinespec.decoding.engine import DEFAULT_K
+from onlinespec.decoding.feature_head import CHAIN_DEPTH
+from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.benchmark import BenchConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
@@ -147,7 +149,7 @@ def warmup(
     batch_size: Annotated[int, typer.Option(min=1, help="start positions per step")] = 256,
     lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
     loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
-    depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = 4,
+    depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = CHAIN_DEPTH,
     vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = 8192,
     per_domain: Annotated[int, typer.Option(min=1, help="chat and code warm-up queries each")] = 600,
     extra_chat: Annotated[int, typer.Option(min=0, help="more chat warm-up queries (a separate cached part)")] = 1200,

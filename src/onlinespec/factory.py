@@ -36,6 +36,7 @@ import torch
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding import kernels as small_batch
 from onlinespec.decoding.calibrate import CONTEXTS, CostCurve, batch_sizes, measure_cost_curve
+from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
@@ -58,7 +59,6 @@ FRESH = "fresh"  # "hybrid:fresh", "head:fresh": a head born from the target, no
 # but its greedy output drifts from the target alone's at bf16 rounding ties).
 DEFAULT_DRAFT = "hybrid"
 DEFAULT_DTYPE = "auto"  # float32 on a CPU, bfloat16 on CUDA (onlinespec.backends.resolve_dtype_name)
-DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
 
 
 @dataclass

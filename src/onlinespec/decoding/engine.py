@@ -48,6 +48,7 @@ from onlinespec.decoding.runners.torch_runner import TorchRunner
 from onlinespec.decoding.sampling import logits_to_probs
 from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
 
+DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
 DEFAULT_PREFILL_CHUNK = 256
 
 
@@ -83,7 +84,7 @@ class SpeculativeEngine:
         self,
         target: PreTrainedModel | TargetRunner,
         eos_token_ids: frozenset[int],
-        k: int = 4,
+        k: int = DEFAULT_K,
         trace_top_k: int = 32,
         cost_curve: CostCurve | None = None,
         pad: bool = True,

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 CONFIG_FILE = "feature_head.json"
 WEIGHTS_FILE = "feature_head.safetensors"
 FRESH_VOCAB = 8192  # a fresh head's restricted vocabulary (the packaged head's size: docs/drafts.md)
+CHAIN_DEPTH = 4  # draft steps training unrolls from one target feature: as many as a head drafts at the default k
 
 
 @dataclass

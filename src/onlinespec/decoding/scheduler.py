@@ -18,9 +18,11 @@ from collections import deque
 from onlinespec.decoding.engine import SpeculativeEngine, StepReport
 from onlinespec.decoding.request import RequestState
 
+DEFAULT_MAX_BATCH = 8  # requests verified per step
+
 
 class Scheduler:
-    def __init__(self, engine: SpeculativeEngine, max_batch: int = 8) -> None:
+    def __init__(self, engine: SpeculativeEngine, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.max_batch = engine, max_batch

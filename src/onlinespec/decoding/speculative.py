@@ -16,19 +16,17 @@ from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.cost_curve import CostCurve
-from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
+from onlinespec.decoding.engine import DEFAULT_K, DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.request import Generation, RequestState, RequestStats, RoundTiming, RoundTrace, StreamChunk
 from onlinespec.decoding.runners import TargetRunner
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.scheduler import Scheduler
+from onlinespec.decoding.scheduler import DEFAULT_MAX_BATCH, Scheduler
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.tokens import Prompt, encode_prompt
 from onlinespec.tokens import eos_token_ids as _eos
 
 __all__ = ["Generation", "RequestStats", "RoundTiming", "RoundTrace", "SpeculativeDecoder", "StreamChunk", "encode_prompt"]
-
-DEFAULT_MAX_BATCH = 8
 
 
 class SpeculativeDecoder:
@@ -45,7 +43,7 @@ class SpeculativeDecoder:
         target: PreTrainedModel | TargetRunner,
         tokenizer=None,
         proposer: Proposer | None = None,
-        k: int = 4,
+        k: int = DEFAULT_K,
         trace_top_k: int = 32,
         adaptive_k: AdaptiveK | None = None,
         cost_curve: CostCurve | None = None,

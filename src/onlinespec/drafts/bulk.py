@@ -41,7 +41,7 @@ from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig
 from onlinespec.distill.loop import run_steps
-from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 
 BUNDLE_VERSION = 1
@@ -311,7 +311,7 @@ class HeadDesign:
 @dataclass(frozen=True)
 class BulkRecipe:
     vocab_size: int = 8192
-    depth: int = 4
+    depth: int = CHAIN_DEPTH
     step_decay: float = 0.8
     batch_size: int = 1024
     lr: float = 1e-3

@@ -27,7 +27,7 @@ import torch
 from onlinespec.data.sources import Query
 from onlinespec.distill.losses import LOSSES
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.decoding.feature_head import WEIGHTS_FILE, FeatureHead
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, WEIGHTS_FILE, FeatureHead
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 from onlinespec.drafts.warmup import heldout_signal, signal_key, warmup_queries
 from onlinespec.models import LoadedModel
@@ -47,7 +47,7 @@ class DistillRun:
     lr: float = 3e-4
     mix_ratio: float = 0.5
     max_new_tokens: int = 128
-    depth: int = 4
+    depth: int = CHAIN_DEPTH
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from onlinespec.decoding.proposers.ngram import lookup
 from onlinespec.distill.losses import SparseTeacher, distill_loss
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.decoding.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead
 
 METRICS_CHUNK = 1024  # held-out positions scored at once by head_metrics (a bounded peak)
 _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite
@@ -32,7 +32,7 @@ _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * l
 
 @dataclass(frozen=True)
 class ChainConfig:
-    depth: int = 4  # draft steps unrolled per example
+    depth: int = CHAIN_DEPTH  # draft steps unrolled per example
     step_decay: float = 0.8
     generated_only: bool = False  # learn only where the target was writing (not the prompt)
 
@@ -99,7 +99,7 @@ class ChainTask:
 
 
 @torch.inference_mode()
-def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = 4, batch: int = 4096) -> dict:
+def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = CHAIN_DEPTH, batch: int = 4096) -> dict:
     """Greedy acceptance on ``signal``'s generated text (what serving sees), per domain and overall.
 
     ``step_acceptance[j-1]``: how often step j's argmax is the target's argmax, given steps

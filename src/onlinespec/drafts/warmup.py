@@ -23,7 +23,7 @@ from onlinespec.data.splits import split, split_of
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig, Trainer
-from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 from onlinespec.models import LoadedModel, cache_dir, tokenizer_fingerprint
 
@@ -96,7 +96,7 @@ class HeadRecipe:
     vocab_size: int = 8192
     intermediate_size: int = 1024
     num_blocks: int = 2
-    depth: int = 4
+    depth: int = CHAIN_DEPTH
     step_decay: float = 0.8
     steps: int = 3000
     batch_size: int = 256

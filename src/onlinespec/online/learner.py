@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from onlinespec.cpu import lower_priority, name_thread
+from onlinespec.decoding.feature_head import CHAIN_DEPTH
 from onlinespec.decoding.proposers.base import SwappableDraft
 from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.loop import run_steps
@@ -78,7 +79,7 @@ class LearnerConfig:
     priority: str = "low"  # low: nice 19 (the OS runs the learner mostly on CPU time serving leaves); idle:
     # SCHED_IDLE (a serving thread that wakes takes the core at once); normal (see lower_priority)
     cpu_share: float = 1.0  # the most wall time the learner computes (it sleeps the rest)
-    chain_depth: int = 4  # feature heads: draft steps unrolled in training
+    chain_depth: int = CHAIN_DEPTH  # feature heads: draft steps unrolled in training
     max_failures: int = 3  # updates failing in a row before the learner stops trying (serving goes on)
     keep_versions: int = 0  # keep this many newest registry versions (plus the current one and its parent); 0: all
 

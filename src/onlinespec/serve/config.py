@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onlinespec.decoding.engine import DEFAULT_PREFILL_CHUNK
-from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_K
+from onlinespec.decoding.engine import DEFAULT_K, DEFAULT_PREFILL_CHUNK
+from onlinespec.decoding.scheduler import DEFAULT_MAX_BATCH
+from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.routing.domains import MAX_DRAFTS, ROUTERS
@@ -30,7 +31,7 @@ class CoreConfig:
     content: ContentConfig = field(default_factory=ContentConfig)  # the content router's clusters and detectors
     adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster
-    max_batch: int = 8  # requests verified per step
+    max_batch: int = DEFAULT_MAX_BATCH  # requests verified per step
     max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
     max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
     shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)

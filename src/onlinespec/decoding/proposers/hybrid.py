@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from onlinespec.decoding.adaptive import expected_tokens
+from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
 from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
@@ -31,12 +32,12 @@ class HybridProposer(SwappableDraft):
     """Swappable, and feature-reading when its learned draft is: the learner trains that draft."""
 
     def __init__(self, learned: SwappableDraft, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
-                 min_match: int = 3, learned_k: int | None = 4) -> None:
+                 min_match: int = 3, learned_k: int | None = DEFAULT_K) -> None:
         """``min_ngram``: the shortest prompt-lookup match that wins over the learned draft;
         ``min_match``: the shortest suffix-index match considered (``suffix_index=None``: none);
         ``learned_k``: the most tokens the learned draft proposes a round (each costs a draft
-        step; copies cost nothing, so with the engine's ``k`` above it only they propose more).
-        ``None``: as many as the engine asks."""
+        step; copies cost nothing, so with the engine's ``k`` above it only they propose more;
+        default: the engine's default ``k``). ``None``: as many as the engine asks."""
         self.learned, self.learned_k = learned, learned_k
         self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
         self.suffix_index = suffix_index
