@@ -372,40 +372,15 @@ def run(bundle_path: str | Path, gguf: str | Path | None, out: str | Path, secon
     at = lambda fraction: begin + fraction * seconds  # noqa: E731
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it: features to ~1e-3, 4-8x faster
-    with gzip.open(bundle_path, "rt") as handle:
-        bundle = json.load(handle)
-    if bundle.get("version") != BUNDLE_VERSION:
-        raise ValueError(f"{bundle_path} is a bundle of version {bundle.get('version')}; this code reads version {BUNDLE_VERSION}: export it again")
+    bundle = _read_bundle(bundle_path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = bundle["config"]
-    if smoke:
-        config = smoke_config(config)
-        torch.manual_seed(0)
-        model = build_target(config, None, device)
-    else:
-        if gguf is None:
-            raise ValueError("run needs --gguf, the target's GGUF file (or --smoke)")
-        model = build_target(config, llama_state_dict_from_gguf(gguf, config), device)
+    config, model = _load_target(bundle["config"], gguf, smoke, device)
     log(f"target on {device} in {time.monotonic() - begin:.0f} s")
-    budget, rows = (4096, 8) if smoke else (1 << 20, 2048)
-    jobs = [_job(j) for j in bundle["jobs"]]
-    if smoke:
-        jobs = [_shrunk(j, 3) for j in jobs]
-    sequences, made = [], {}
-    for job in jobs:
-        t0 = time.monotonic()
-        part = decode(model, job, bundle["eos_ids"], bundle["pad_id"], budget, rows, at(0.40), log)
-        sequences += part
-        made[job.name] = {"sequences": len(part), "tokens": sum(len(s) - p for s, p, _, _ in part), "seconds": round(time.monotonic() - t0, 1)}
-        log(f"decoded {job.name}: {made[job.name]}")
-    heldout_job = _job(bundle["heldout"])
-    if smoke:
-        heldout_job = _shrunk(heldout_job, 6)
-    heldout_seqs = decode(model, heldout_job, bundle["eos_ids"], bundle["pad_id"], budget, rows, float("inf"), log)
+    sequences, made, heldout_sequences = _decode_jobs(model, bundle, smoke, at(0.40), log)
     t0 = time.monotonic()
     signal = score(model, sequences, token_budget=4096 if smoke else 131072)
-    heldout = score(model, heldout_seqs, token_budget=4096 if smoke else 131072).to("cpu")
+    heldout = score(model, heldout_sequences, token_budget=4096 if smoke else 131072).to("cpu")
     log(f"scored {signal.n_tokens:,} tokens in {time.monotonic() - t0:.0f} s")
     _save_tokens(out / "tokens.npz", sequences, log)
     counts = torch.bincount(signal.ids, minlength=config["vocab_size"]).cpu()
@@ -414,31 +389,74 @@ def run(bundle_path: str | Path, gguf: str | Path | None, out: str | Path, secon
         "target": bundle["target"], "tokenizer": bundle["tokenizer"], "device": torch.cuda.get_device_name() if device == "cuda" else device,
         "decoded": made, "tokens": signal.n_tokens, "sequences": len(signal), "recipe": dataclasses.asdict(recipe), "heads": {},
     }
+    provenance = {"target": bundle["target"], "tokenizer": bundle["tokenizer"], "dtype": "torch.float32",
+                  "data": {"recipe": "bulk", "tokens": signal.n_tokens, "sequences": len(signal), "jobs": made}}
     share = (0.93 - (time.monotonic() - begin) / seconds) / len(designs)
     for n, design in enumerate(designs):
-        try:
-            head, report = train_head(model, signal, vocab, design, recipe, at(1 - share * (len(designs) - n - 1) - 0.07), log)
-        except Exception as error:  # keep the heads already saved
-            log(f"{design.name}: training failed: {error!r}")
-            summary["heads"][design.name] = {"error": repr(error)}
-            continue
-        cpu_head = head.cpu()
-        evaluation = evaluate_chain(cpu_head, heldout, depth=recipe.depth)
-        meta = {
-            "target": bundle["target"], "tokenizer": bundle["tokenizer"], "dtype": "torch.float32",
-            "data": {"recipe": "bulk", "tokens": signal.n_tokens, "sequences": len(signal), "jobs": made},
-            "recipe": {**dataclasses.asdict(recipe), **dataclasses.asdict(design)}, "train": report, "heldout": evaluation,
-        }
-        saved = cpu_head.clone()
-        if design.save_dtype == "float16":
-            saved = saved.half()
-        saved.save(out / design.name, meta)
-        summary["heads"][design.name] = {"train": report, "heldout": evaluation}
-        log(f"{design.name}: held-out step acceptance " + ", ".join(f"{d} {e['step_acceptance']}" for d, e in evaluation.items()))
+        deadline = at(1 - share * (len(designs) - n - 1) - 0.07)
+        summary["heads"][design.name] = _train_and_save(model, signal, heldout, vocab, design, recipe, deadline,
+                                                        out / design.name, provenance, log)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        del head
     log(f"done in {time.monotonic() - begin:.0f} s")
     return summary
+
+
+def _read_bundle(path: str | Path) -> dict:
+    """The exported bundle, refused if another version of this code wrote it."""
+    with gzip.open(path, "rt") as handle:
+        bundle = json.load(handle)
+    if bundle.get("version") != BUNDLE_VERSION:
+        raise ValueError(f"{path} is a bundle of version {bundle.get('version')}; this code reads version {BUNDLE_VERSION}: export it again")
+    return bundle
+
+
+def _load_target(config: dict, gguf: str | Path | None, smoke: bool, device: str) -> tuple[dict, torch.nn.Module]:
+    """The target from its GGUF file, or (``smoke``) a tiny random one; with the config it was built from."""
+    if smoke:
+        config = smoke_config(config)
+        torch.manual_seed(0)
+        return config, build_target(config, None, device)
+    if gguf is None:
+        raise ValueError("run needs --gguf, the target's GGUF file (or --smoke)")
+    return config, build_target(config, llama_state_dict_from_gguf(gguf, config), device)
+
+
+def _decode_jobs(model, bundle: dict, smoke: bool, deadline: float, log=print) -> tuple[list, dict, list]:
+    """The target's sequences for every training job (until ``deadline``), what each job made,
+    and the held-out job's sequences (all of them: the heads are scored on the same prompts)."""
+    budget, rows = (4096, 8) if smoke else (1 << 20, 2048)
+    jobs, heldout_job = [_job(j) for j in bundle["jobs"]], _job(bundle["heldout"])
+    if smoke:
+        jobs, heldout_job = [_shrunk(j, 3) for j in jobs], _shrunk(heldout_job, 6)
+    sequences, made = [], {}
+    for job in jobs:
+        t0 = time.monotonic()
+        part = decode(model, job, bundle["eos_ids"], bundle["pad_id"], budget, rows, deadline, log)
+        sequences += part
+        made[job.name] = {"sequences": len(part), "tokens": sum(len(s) - p for s, p, _, _ in part), "seconds": round(time.monotonic() - t0, 1)}
+        log(f"decoded {job.name}: {made[job.name]}")
+    heldout = decode(model, heldout_job, bundle["eos_ids"], bundle["pad_id"], budget, rows, float("inf"), log)
+    return sequences, made, heldout
+
+
+def _train_and_save(model, signal: Signal, heldout: Signal, vocab: torch.Tensor, design: HeadDesign, recipe: BulkRecipe,
+                    deadline: float, folder: Path, provenance: dict, log=print) -> dict:
+    """Train one head design, score it on the held-out signal and save it to ``folder``; its
+    summary. A design whose training raises is reported, and the run goes on to the next."""
+    try:
+        head, report = train_head(model, signal, vocab, design, recipe, deadline, log)
+    except Exception as error:
+        log(f"{design.name}: training failed: {error!r}")
+        return {"error": repr(error)}
+    head = head.cpu()
+    evaluation = evaluate_chain(head, heldout, depth=recipe.depth)
+    meta = {**provenance, "recipe": {**dataclasses.asdict(recipe), **dataclasses.asdict(design)}, "train": report, "heldout": evaluation}
+    saved = head.clone()
+    if design.save_dtype == "float16":
+        saved = saved.half()
+    saved.save(folder, meta)
+    log(f"{design.name}: held-out step acceptance " + ", ".join(f"{d} {e['step_acceptance']}" for d, e in evaluation.items()))
+    return {"train": report, "heldout": evaluation}
 
 
 def smoke_config(config: dict) -> dict:
