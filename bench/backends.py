@@ -36,11 +36,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from onlinespec.factory import engine_options, make_proposer, new_decoder  # noqa: E402
 from onlinespec.benchmark import divergence_gap, machine_info  # noqa: E402
 from onlinespec.data import read_queries_jsonl  # noqa: E402
 from onlinespec.decoding.runners.llamacpp import cpu_threads  # noqa: E402
 from onlinespec.decoding.sampling import SamplingParams  # noqa: E402
+from onlinespec.factory import engine_options, make_proposer, new_decoder  # noqa: E402
 from onlinespec.models import load_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

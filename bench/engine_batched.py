@@ -51,9 +51,9 @@ def load_legacy(rev: str):
 def compare_with_legacy(target, queries, new_tokens: int, rev: str) -> dict:
     """Tokens/s of the new engine over the legacy one at concurrency 1, prompt by prompt."""
     from onlinespec.decoding.engine import DEFAULT_K
-    from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
     from onlinespec.decoding.sampling import SamplingParams
     from onlinespec.decoding.speculative import SpeculativeDecoder
+    from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 
     load_legacy(rev)
     legacy_api = importlib.import_module("onlinespec_legacy.api")
@@ -146,7 +146,12 @@ def main() -> None:
         print(tables(report))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from onlinespec.benchmark import BenchConfig, machine_info, plot_concurrency, run_concurrency_bench
+    from onlinespec.benchmark import (
+        BenchConfig,
+        machine_info,
+        plot_concurrency,
+        run_concurrency_bench,
+    )
     from onlinespec.data import long_prompts, packaged_prompts
     from onlinespec.models import load_model
 

@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.data.sources import packaged_prompts
+from onlinespec.decoding.feature_head import RMSNorm
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.decoding.feature_head import RMSNorm
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance
+from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
 
 

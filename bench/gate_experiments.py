@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance
+from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.data import packaged_prompts
+from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
+from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.models import load_model
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner

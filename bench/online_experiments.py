@@ -85,7 +85,8 @@ def teacher_signal(target, queries):
 
 def original_head(target) -> Path:
     sys.path.insert(0, str(ROOT / "bench"))
-    from table1 import WORK as TABLE1, build_original  # noqa: E402
+    from table1 import WORK as TABLE1  # noqa: E402
+    from table1 import build_original
 
     folder = TABLE1 / "original"
     if not (folder / "feature_head.json").exists():
@@ -100,10 +101,10 @@ def train_reference(target, original: Path, signal, fraction: float) -> Path:
     """The starting draft distilled offline on the first ``fraction`` of each domain's stream answers."""
     import torch
 
-    from onlinespec.factory import load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
     from onlinespec.drafts.train import ChainConfig, ChainTask
+    from onlinespec.factory import load_head
 
     out = WORK / f"ref-{round(fraction * 100)}"
     if (out / "feature_head.json").exists():
@@ -176,8 +177,8 @@ def online_versions(target, original: Path, result: dict, run_dir: Path) -> dict
     """The online draft as it stood at the end of each domain segment of the abrupt stream, and at the end."""
     from onlinespec.factory import load_head
     from onlinespec.online.registry import DraftRegistry
-    from onlinespec.weights import load_weights
     from onlinespec.routing.domains import SHARED
+    from onlinespec.weights import load_weights
 
     registry = DraftRegistry(run_dir / "drafts" / SHARED)
     rows = result["requests"]

@@ -12,15 +12,14 @@ import sys
 import tempfile
 import time
 
-from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.data.sources import packaged_prompts
+from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
+from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer
 from onlinespec.models import load_model
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.recorder import records_from_generation
-
 
 
 def main(n: int) -> None:

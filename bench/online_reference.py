@@ -41,7 +41,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_experiments import DOMAIN_ORDER, K, NEW_TOKENS, pools, serve_cached, streams, teacher_signal  # noqa: E402
+from online_experiments import (  # noqa: E402
+    DOMAIN_ORDER,
+    NEW_TOKENS,
+    K,
+    pools,
+    serve_cached,
+    streams,
+    teacher_signal,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -57,10 +65,10 @@ def reference(target, signal, name: str) -> Path:
     """The packaged head distilled offline on ``signal`` (cached under WORK/name)."""
     import torch
 
-    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
     from onlinespec.drafts.train import ChainConfig, ChainTask
+    from onlinespec.factory import DEFAULT_HEAD, load_head
 
     out = WORK / f"{name}-{len(signal)}"
     if (out / "feature_head.json").exists():
@@ -102,8 +110,8 @@ def catch_up(online: list[float], ref: list[float]) -> int | None:
 def main() -> None:
     import torch
 
-    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.drafts.train import replay_acceptance
+    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.models import load_model
     from onlinespec.online.registry import DraftRegistry
     from onlinespec.weights import load_weights

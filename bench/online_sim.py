@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_experiments import original_head, streams, teacher_signal  # noqa: E402
 
-from onlinespec.factory import DEFAULT_HEAD, load_head  # noqa: E402
+from onlinespec.decoding.proposers.ngram import lookup  # noqa: E402
 from onlinespec.distill.loop import run_steps  # noqa: E402
 from onlinespec.distill.step import DistillConfig  # noqa: E402
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance  # noqa: E402
-from onlinespec.decoding.proposers.ngram import lookup  # noqa: E402
+from onlinespec.factory import DEFAULT_HEAD, load_head  # noqa: E402
 from onlinespec.models import load_model  # noqa: E402
 
 

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from onlinespec.data.sources import stream_pools
-from onlinespec.data.streams import segments
 from onlinespec.data.splits import split as split_queries
+from onlinespec.data.streams import segments
 from onlinespec.metrics import bootstrap_ratio
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.report import routing_report

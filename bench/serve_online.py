@@ -60,8 +60,8 @@ def main() -> None:
     if not args.report_only:
         from onlinespec.benchmark import machine_info
         from onlinespec.data.sources import stream_pools
-        from onlinespec.data.streams import abrupt_shifts
         from onlinespec.data.splits import split
+        from onlinespec.data.streams import abrupt_shifts
         from onlinespec.online.report import write_report
         from onlinespec.serve.server import ServerProcess
         from onlinespec.stream import HTTPClient, OnlineConfig, drive

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from onlinespec.data.sources import stream_pools
-from onlinespec.data.streams import abrupt_shifts
 from onlinespec.data.splits import split as split_queries
+from onlinespec.data.streams import abrupt_shifts
 from onlinespec.metrics import bootstrap_ratio, moving_average
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.serve.config import CoreConfig
@@ -73,8 +73,8 @@ HEAD_COPY = WORK / "online-final-head"
 
 def export_head() -> None:
     """``online``'s final head version as a head folder (what ``--draft hybrid:FOLDER`` serves)."""
-    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.decoding.feature_head import FeatureHead
+    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.models import load_model
     from onlinespec.online.registry import DraftRegistry
     from onlinespec.weights import load_weights

@@ -28,9 +28,9 @@ SOURCES = ("teacher", "student", "mixed")
 
 def build_original(target, steps: int, specialise_ids: set[str]) -> Path:
     """A chat-only head: the general draft every cell starts from."""
+    from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
-    from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
     from onlinespec.drafts.train import ChainConfig, ChainTask
     from onlinespec.drafts.warmup import warmup_signal
     from onlinespec.models import tokenizer_fingerprint

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.drafts.train import ChainConfig, ChainTask
+from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.weights import load_weights

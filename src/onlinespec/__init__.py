@@ -8,9 +8,15 @@ entry points::
     out = decoder.generate("Once upon a time", SamplingParams(max_new_tokens=32))
 """
 
-from onlinespec.factory import load_decoder, make_proposer
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.speculative import Generation, RequestStats, RoundTrace, SpeculativeDecoder, StreamChunk
+from onlinespec.decoding.speculative import (
+    Generation,
+    RequestStats,
+    RoundTrace,
+    SpeculativeDecoder,
+    StreamChunk,
+)
+from onlinespec.factory import load_decoder, make_proposer
 
 __all__ = [
     "Generation",

@@ -18,13 +18,19 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from transformers.utils import logging as hf_logging
 
-from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.factory import DEFAULT_DRAFT, DraftChoice, engine_options, make_proposer, new_decoder
-from onlinespec.decoding import kernels
 from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query
+from onlinespec.decoding import kernels
+from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation
+from onlinespec.factory import (
+    DEFAULT_DRAFT,
+    DraftChoice,
+    engine_options,
+    make_proposer,
+    new_decoder,
+)
 from onlinespec.metrics import median_ratio, percentile
 from onlinespec.models import LoadedModel, load_target
 

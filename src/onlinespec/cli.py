@@ -17,19 +17,25 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
+from onlinespec.benchmark import BenchConfig
 from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.feature_head import CHAIN_DEPTH
-from onlinespec.factory import DEFAULT_DRAFT
-from onlinespec.benchmark import BenchConfig
-from onlinespec.routing.content import ContentConfig
 from onlinespec.distill.step import DistillConfig
+from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.routing.content import ContentConfig
 from onlinespec.safety import command_line, private_files
-from onlinespec.serve.web import ServerSettings
 from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.web import ServerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
 data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
@@ -401,8 +407,8 @@ def demo(
     compares the three."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import abrupt_shifts
     from onlinespec.data.splits import split
+    from onlinespec.data.streams import abrupt_shifts
     from onlinespec.serve.server import ServerProcess
     from onlinespec.stream import HTTPClient, OnlineConfig, drive
 
@@ -701,8 +707,8 @@ def data_stream(
     """Export a query stream of packaged real data with a domain-shift schedule."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
-    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
     from onlinespec.data.splits import split
+    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
 
     def build():
         pools = {d: split(pool, split_name) for d, pool in stream_pools(domains.split(",")).items()}
@@ -766,8 +772,8 @@ def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
 
 def _user_errors(fn):
     """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
-    from onlinespec.storage import OutDirBusy
     from onlinespec.serve.handles import LoadFailed
+    from onlinespec.storage import OutDirBusy
 
     try:
         return fn()

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from onlinespec.data.sources import Query
-from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
 from onlinespec.data.splits import SPLITS, split, split_of
+from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
 
 
 def pool(domain, n):

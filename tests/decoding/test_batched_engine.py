@@ -21,11 +21,16 @@ from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
-from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import SpeculativeDecoder
-
-from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, SEED_BASE, exact_distribution, fit
+from tests.decoding.test_lossless_engine import (
+    NEW_TOKENS,
+    PASS_P,
+    SEED_BASE,
+    exact_distribution,
+    fit,
+)
 from tests.drafts.test_feature_head import random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,12 +11,12 @@ other; the test checks that every divergence is such a near-tie.
 import pytest
 import torch
 
-from onlinespec.factory import engine_options, make_proposer
 from onlinespec.benchmark import NEAR_TIE, divergence_gap
 from onlinespec.data import packaged_prompts
 from onlinespec.decoding.autoregressive import autoregressive_decoder
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
+from onlinespec.factory import engine_options, make_proposer
 from onlinespec.models import load_model
 
 pytestmark = pytest.mark.slow

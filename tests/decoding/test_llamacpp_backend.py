@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onlinespec.factory import engine_options, make_proposer, new_decoder
 from onlinespec.backends import resolve_backend, resolve_device
 from onlinespec.benchmark import NEAR_TIE, divergence_gap
 from onlinespec.data import packaged_prompts
 from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.runners.llamacpp import LlamaCppError
 from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
+from onlinespec.factory import engine_options, make_proposer, new_decoder
 from onlinespec.models import load_target
 
 pytest.importorskip("llama_cpp")

@@ -9,7 +9,6 @@ from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
-
 from tests.drafts.test_feature_head import random_head
 
 

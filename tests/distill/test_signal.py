@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from onlinespec.data.sources import Query
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.decoding.feature_head import FeatureHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from onlinespec.drafts import bulk
 from onlinespec.decoding.feature_head import FeatureHead
+from onlinespec.drafts import bulk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

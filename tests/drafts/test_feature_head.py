@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.decoding.proposers.base import DraftInput, Proposal
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
@@ -14,10 +15,14 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.losses import bucket_log_probs
 from onlinespec.distill.step import DistillConfig
-from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.drafts.train import ChainTask
-
-from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, empirical, exact_distribution, fit
+from tests.decoding.test_lossless_engine import (
+    NEW_TOKENS,
+    PASS_P,
+    empirical,
+    exact_distribution,
+    fit,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

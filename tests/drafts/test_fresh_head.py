@@ -72,8 +72,8 @@ def test_a_fresh_head_chooses_its_vocabulary_from_served_text_and_reloads_it(tin
 
 
 def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tmp_path, monkeypatch):
-    from onlinespec.factory import load_decoder
     from onlinespec.data import Query
+    from onlinespec.factory import load_decoder
     from onlinespec.online.learner import LearnerConfig
     from onlinespec.serve.config import CoreConfig
     from onlinespec.stream import OnlineConfig, run_stream

@@ -18,9 +18,9 @@ KILL_AT = os.environ.pop("ONLINESPEC_KILL_AT", "")  # before onlinespec reads it
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.storage import arm_kill_points
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
+from onlinespec.storage import arm_kill_points
 
 
 def config(target: str, retention_days: float | None = None) -> CoreConfig:

@@ -18,8 +18,8 @@ import torch
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.storage import KILL_ENV
 from onlinespec.serve.core import ServingCore
+from onlinespec.storage import KILL_ENV
 from onlinespec.weights import unique_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -10,13 +10,12 @@ import sys
 import time
 
 import pytest
+from child import config, prompt
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.serve.core import ServingCore
-
-from child import config, prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 

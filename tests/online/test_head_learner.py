@@ -4,12 +4,12 @@ learner trains chains on them in the background, and the output stays exactly th
 import torch
 
 from onlinespec.decoding.autoregressive import autoregressive_decoder
+from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer
 from onlinespec.decoding.proposers.hybrid import HybridProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.step import DistillConfig
-from onlinespec.decoding.feature_head import FeatureHead
 from onlinespec.drafts.train import chain_task, records_to_signal
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner

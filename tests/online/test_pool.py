@@ -106,8 +106,8 @@ def test_an_offline_purge_reaches_routing_state_and_every_event_log(tmp_path):
     (rotated files included), and nothing else goes."""
     import json
 
-    from onlinespec.routing.content import ContentRouter
     from onlinespec.online.pool import purge_saved
+    from onlinespec.routing.content import ContentRouter
     from onlinespec.routing.lifecycle import ROUTING_FILE
     from tests.test_content import domain_embeddings, serve
 

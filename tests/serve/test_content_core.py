@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import time
 
-from onlinespec.routing.content import ContentConfig
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
-from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.buffer import ReplayBuffer
+from onlinespec.online.learner import LearnerConfig
+from onlinespec.routing.content import ContentConfig
 from onlinespec.routing.lifecycle import ROUTING_FILE
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore

@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
+from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.models import load_model
-from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 

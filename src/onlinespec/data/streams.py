@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from onlinespec.data.sources import Query
 
+
 def abrupt_shifts(pools: Mapping[str, Sequence[Query]], every: int | Mapping[str, int], seed: int = 0) -> list[Query]:
     """``every`` queries of each domain in turn (or ``every[domain]``), in the mapping's order
     (each pool shuffled)."""

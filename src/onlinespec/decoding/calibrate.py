@@ -26,7 +26,6 @@ from onlinespec.decoding.cost_curve import CONTEXTS, CostCurve
 from onlinespec.decoding.runners.torch_runner import TorchRunner
 
 
-
 @torch.inference_mode()
 def forward_costs(target, max_width: int = 8, context: int = 64, reps: int = 5, batch: int = 1) -> list[float]:
     """Median seconds of one verify forward of ``target`` (a runner, :mod:`onlinespec.decoding.runners`,

@@ -27,13 +27,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.data.sources import Query
-from onlinespec.tokens import encode_prompt, eos_token_ids
 from onlinespec.models import cache_dir
+from onlinespec.tokens import encode_prompt, eos_token_ids
 
 SOURCES = ("teacher", "student", "mixed", "fixed")
 

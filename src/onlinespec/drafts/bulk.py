@@ -1,3 +1,4 @@
+# Over 500 lines: one offline job (export the bundle, decode on the accelerator, train and save), each part short and named.
 """Bulk warm-up: distil a feature head on millions of the target's own tokens, on one accelerator.
 
 The CPU recipe (:mod:`onlinespec.drafts.warmup`) decodes about 600k tokens in some 25 minutes on
@@ -37,11 +38,11 @@ from pathlib import Path
 
 import torch
 
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
+from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig
-from onlinespec.distill.loop import run_steps
-from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 
 BUNDLE_VERSION = 1
@@ -67,10 +68,15 @@ class Job:
 
 def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens: int = 256, seed: int = 0, heldout_per_domain: int = 20) -> dict:
     """Write the bundle ``run`` reads (see the module docstring); returns a summary of its jobs."""
-    from onlinespec.data.sources import available_gsm_languages, english_pools, load_gsm_symbolic, packaged_prompts
+    from onlinespec.data.sources import (
+        available_gsm_languages,
+        english_pools,
+        load_gsm_symbolic,
+        packaged_prompts,
+    )
     from onlinespec.data.splits import split, split_of
-    from onlinespec.tokens import encode_prompt, eos_token_ids
     from onlinespec.models import default_target_dir, load_model, tokenizer_fingerprint
+    from onlinespec.tokens import encode_prompt, eos_token_ids
 
     target = load_model("default")
     tokenizer = target.tokenizer

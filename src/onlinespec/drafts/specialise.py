@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from onlinespec.data.sources import Query
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, WEIGHTS_FILE, FeatureHead
 from onlinespec.distill.losses import LOSSES
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
-from onlinespec.decoding.feature_head import CHAIN_DEPTH, WEIGHTS_FILE, FeatureHead
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 from onlinespec.drafts.warmup import heldout_signal, signal_key, warmup_queries
 from onlinespec.models import LoadedModel
@@ -84,9 +84,9 @@ def one_hot(signal: Signal) -> Signal:
 
 
 def run_distill(target: LoadedModel, start: str | Path, run: DistillRun, out_dir: str | Path | None = None, progress: bool = True) -> dict:
-    from onlinespec.drafts.heads import load_head
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
+    from onlinespec.drafts.heads import load_head
 
     head = load_head(start, target)
     tag = hashlib.sha256((Path(start) / WEIGHTS_FILE).read_bytes()).hexdigest()[:16]

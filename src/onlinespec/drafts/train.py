@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead
 from onlinespec.decoding.proposers.ngram import lookup
 from onlinespec.distill.losses import SparseTeacher, distill_loss
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead
 
 METRICS_CHUNK = 1024  # held-out positions scored at once by head_metrics (a bounded peak)
 _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite

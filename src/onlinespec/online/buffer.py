@@ -26,6 +26,7 @@ demand; ``counts`` says how many were stored, evicted, expired, purged and quara
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
@@ -37,8 +38,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-
-import logging
 
 from onlinespec.distill.records import DistillRecord
 from onlinespec.online.recorder import STUDENT_MARK

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
+from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
 from onlinespec.distill.records import DistillRecord
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
-from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
 from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
 from onlinespec.weights import load_weights
 

@@ -35,11 +35,11 @@ from onlinespec.online.learner import LearnerConfig, load_version
 from onlinespec.online.pool import DraftPool, learner_row, saved_drafts
 from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
-from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.routing.domains import Router
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, ServeError
 from onlinespec.serve.operations import operate
+from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.tokens import tokenizer_fingerprint
 
 log = logging.getLogger("onlinespec.scale")

@@ -39,26 +39,48 @@ from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
-from onlinespec.factory import engine_options, make_proposer
 from onlinespec.cpu import ENGINE_THREAD, name_thread
 from onlinespec.decoding.engine import SpeculativeEngine
+from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.decoding.request import RequestState
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
+from onlinespec.factory import engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
-from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
-from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.routing.domains import Router
-from onlinespec.serve.admission import Domains, encode, named_draft, queue_full, token_budget
+from onlinespec.serve.admission import (
+    Domains,
+    encode,
+    named_draft,
+    queue_full,
+    token_budget,
+)
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
-from onlinespec.serve.metrics import ServeMetrics
+from onlinespec.serve.handles import (
+    STATIC,
+    TARGET_ALONE,
+    Delta,
+    Failed,
+    Handle,
+    LoadFailed,
+    ServeError,
+    Timeout,
+    Unavailable,
+)
 from onlinespec.serve.learning import LearningShare
-from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
+from onlinespec.serve.metrics import ServeMetrics
+from onlinespec.serve.operations import (
+    draft_rows,
+    housekeep,
+    operate,
+    purge_cutoff,
+    require_learning,
+)
 from onlinespec.serve.recorder import Recorder
+from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.tokens import Prompt, eos_token_ids, tokenizer_fingerprint
 
 _request_ids = itertools.count()

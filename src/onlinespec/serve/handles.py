@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from onlinespec.decoding.request import RequestState, RequestStats
 from onlinespec.metrics import speculative_decoding
 from onlinespec.online.pool import Draft
-from onlinespec.routing.lifecycle import Route
 from onlinespec.routing.domains import RESERVED
+from onlinespec.routing.lifecycle import Route
 
 STATIC, TARGET_ALONE = RESERVED  # drafts a request may ask for by name, never trained on
 

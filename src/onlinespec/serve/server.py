@@ -24,8 +24,8 @@ import httpx
 import uvicorn
 
 from onlinespec.serve.app import create_app
-from onlinespec.serve.web import ServerSettings
 from onlinespec.serve.core import ServingCore
+from onlinespec.serve.web import ServerSettings
 
 
 def serve(make_core: Callable[[], ServingCore], host: str = "127.0.0.1", port: int = 8000,

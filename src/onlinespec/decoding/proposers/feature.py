@@ -14,9 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
-from onlinespec.decoding.sampling import logits_to_probs, sample
 from onlinespec.decoding.feature_head import FeatureHead
+from onlinespec.decoding.proposers.base import (
+    DraftInput,
+    ModelSlot,
+    Proposal,
+    SwappableDraft,
+)
+from onlinespec.decoding.sampling import logits_to_probs, sample
 
 
 @dataclass

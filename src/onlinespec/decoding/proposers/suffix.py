@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import json
 import threading
-from array import array
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
