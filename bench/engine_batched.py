@@ -146,12 +146,7 @@ def main() -> None:
         print(tables(report))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from onlinespec.benchmark import (
-        BenchConfig,
-        machine_info,
-        plot_concurrency,
-        run_concurrency_bench,
-    )
+    from onlinespec.benchmark import BenchConfig, machine_info, plot_concurrency, run_concurrency_bench
     from onlinespec.data import long_prompts, packaged_prompts
     from onlinespec.models import load_model
 

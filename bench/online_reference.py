@@ -41,15 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_experiments import (  # noqa: E402
-    DOMAIN_ORDER,
-    NEW_TOKENS,
-    K,
-    pools,
-    serve_cached,
-    streams,
-    teacher_signal,
-)
+from online_experiments import DOMAIN_ORDER, NEW_TOKENS, K, pools, serve_cached, streams, teacher_signal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -9,13 +9,7 @@ entry points::
 """
 
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.speculative import (
-    Generation,
-    RequestStats,
-    RoundTrace,
-    SpeculativeDecoder,
-    StreamChunk,
-)
+from onlinespec.decoding.speculative import Generation, RequestStats, RoundTrace, SpeculativeDecoder, StreamChunk
 from onlinespec.factory import load_decoder, make_proposer
 
 __all__ = [

@@ -24,13 +24,7 @@ from onlinespec.decoding import kernels
 from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation
-from onlinespec.factory import (
-    DEFAULT_DRAFT,
-    DraftChoice,
-    engine_options,
-    make_proposer,
-    new_decoder,
-)
+from onlinespec.factory import DEFAULT_DRAFT, DraftChoice, engine_options, make_proposer, new_decoder
 from onlinespec.metrics import median_ratio, percentile
 from onlinespec.models import LoadedModel, load_target
 

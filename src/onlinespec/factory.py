@@ -35,12 +35,7 @@ import torch
 
 from onlinespec.decoding import kernels as small_batch
 from onlinespec.decoding.adaptive import AdaptiveK
-from onlinespec.decoding.calibrate import (
-    CONTEXTS,
-    CostCurve,
-    batch_sizes,
-    measure_cost_curve,
-)
+from onlinespec.decoding.calibrate import CONTEXTS, CostCurve, batch_sizes, measure_cost_curve
 from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.feature_head import FeatureHead, is_feature_head
 from onlinespec.decoding.proposers.base import Proposer
@@ -51,13 +46,7 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.heads import DEFAULT_HEAD, load_head
-from onlinespec.models import (
-    LoadedModel,
-    cache_dir,
-    load_draft,
-    load_target,
-    tokenizer_fingerprint,
-)
+from onlinespec.models import LoadedModel, cache_dir, load_draft, load_target, tokenizer_fingerprint
 from onlinespec.storage import atomic_write
 from onlinespec.tokens import eos_token_ids
 

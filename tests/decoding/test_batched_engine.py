@@ -24,13 +24,7 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import SpeculativeDecoder
-from tests.decoding.test_lossless_engine import (
-    NEW_TOKENS,
-    PASS_P,
-    SEED_BASE,
-    exact_distribution,
-    fit,
-)
+from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, SEED_BASE, exact_distribution, fit
 from tests.drafts.test_feature_head import random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")

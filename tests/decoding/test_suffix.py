@@ -6,16 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_lossless_engine import (
-    N_RUNS,
-    NEW_TOKENS,
-    PASS_P,
-    PLAIN,
-    PROMPT,
-    SEED_BASE,
-    exact_distribution,
-    fit,
-)
+from test_lossless_engine import N_RUNS, NEW_TOKENS, PASS_P, PLAIN, PROMPT, SEED_BASE, exact_distribution, fit
 
 from onlinespec.decoding.proposers.base import DraftInput
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
@@ -244,11 +235,7 @@ def test_a_pools_index_files_are_loaded_set_aside_saved_and_purged(tmp_path):
     unreadable file set aside (the index starts empty), a file of another tokenizer refused; a
     purge reaches the indices in memory and those saved only, and deletes set-aside copies."""
     from onlinespec.decoding.proposers.suffix import IdentityMismatch
-    from onlinespec.decoding.proposers.suffix_files import (
-        SUFFIX_FILE,
-        SuffixFiles,
-        purge_saved_suffix,
-    )
+    from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, SuffixFiles, purge_saved_suffix
 
     files = SuffixFiles(tmp_path, max_tokens=1000, identity="tok")
     index = SuffixIndex()

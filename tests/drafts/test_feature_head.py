@@ -16,13 +16,7 @@ from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.losses import bucket_log_probs
 from onlinespec.distill.step import DistillConfig
 from onlinespec.drafts.train import ChainTask
-from tests.decoding.test_lossless_engine import (
-    NEW_TOKENS,
-    PASS_P,
-    empirical,
-    exact_distribution,
-    fit,
-)
+from tests.decoding.test_lossless_engine import NEW_TOKENS, PASS_P, empirical, exact_distribution, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

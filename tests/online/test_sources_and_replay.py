@@ -13,12 +13,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.drafts.train import (
-    ChainConfig,
-    ChainTask,
-    chain_task,
-    replay_acceptance,
-)
+from onlinespec.drafts.train import ChainConfig, ChainTask, chain_task, replay_acceptance
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner
 from onlinespec.online.recorder import records_from_generation, student_records

@@ -16,21 +16,9 @@ from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.cost_curve import CostCurve
-from onlinespec.decoding.engine import (
-    DEFAULT_K,
-    DEFAULT_PREFILL_CHUNK,
-    SpeculativeEngine,
-    StepReport,
-)
+from onlinespec.decoding.engine import DEFAULT_K, DEFAULT_PREFILL_CHUNK, SpeculativeEngine, StepReport
 from onlinespec.decoding.proposers.base import Proposer
-from onlinespec.decoding.request import (
-    Generation,
-    RequestState,
-    RequestStats,
-    RoundTiming,
-    RoundTrace,
-    StreamChunk,
-)
+from onlinespec.decoding.request import Generation, RequestState, RequestStats, RoundTiming, RoundTrace, StreamChunk
 from onlinespec.decoding.runners import TargetRunner
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import DEFAULT_MAX_BATCH, Scheduler

@@ -27,14 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 

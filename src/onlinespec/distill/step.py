@@ -9,7 +9,7 @@ those positions go through the output head, so a 49k-word head costs no more tha
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,14 +76,22 @@ def distill_step(
     draft: PreTrainedModel, optimizer: torch.optim.Optimizer, records: Sequence[DistillRecord], config: DistillConfig
 ) -> float:
     """One optimizer step on ``records``; returns the loss before the step."""
-    draft.train()
-    loss = batch_loss(draft, collate(records), config)
+    return optimizer_step(draft, optimizer, lambda: batch_loss(draft, collate(records), config), config.max_grad_norm)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor],
+                   max_grad_norm: float) -> float:
+    """The one optimizer step every trainer here takes (draft LMs and feature heads, offline and
+    online): ``loss()`` computed in training mode, gradients clipped to ``max_grad_norm``, the
+    model left in eval mode for serving. Returns the loss before the step."""
+    model.train()
+    value = loss()
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(draft.parameters(), config.max_grad_norm)
+    value.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     optimizer.step()
-    draft.eval()
-    return float(loss.detach())
+    model.eval()
+    return float(value.detach())
 
 
 @torch.inference_mode()

@@ -68,12 +68,7 @@ class Job:
 
 def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens: int = 256, seed: int = 0, heldout_per_domain: int = 20) -> dict:
     """Write the bundle ``run`` reads (see the module docstring); returns a summary of its jobs."""
-    from onlinespec.data.sources import (
-        available_gsm_languages,
-        english_pools,
-        load_gsm_symbolic,
-        packaged_prompts,
-    )
+    from onlinespec.data.sources import available_gsm_languages, english_pools, load_gsm_symbolic, packaged_prompts
     from onlinespec.data.splits import split, split_of
     from onlinespec.models import default_target_dir, load_model, tokenizer_fingerprint
     from onlinespec.tokens import encode_prompt, eos_token_ids

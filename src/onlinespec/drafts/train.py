@@ -24,7 +24,7 @@ from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead
 from onlinespec.decoding.proposers.ngram import lookup
 from onlinespec.distill.losses import SparseTeacher, distill_loss
 from onlinespec.distill.signal import Signal
-from onlinespec.distill.step import DistillConfig
+from onlinespec.distill.step import DistillConfig, optimizer_step
 
 METRICS_CHUNK = 1024  # held-out positions scored at once by head_metrics (a bounded peak)
 _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite
@@ -87,15 +87,8 @@ class ChainTask:
 
     def step(self, head: FeatureHead, optimizer: torch.optim.Optimizer, batch: list[int] | torch.Tensor, config: DistillConfig) -> float:
         """One optimizer step on a batch of start positions (a list, or a tensor on the signal's device)."""
-        head.train()
         starts = batch if isinstance(batch, torch.Tensor) else torch.tensor(batch, device=self.starts.device)
-        loss = self.loss(head, starts, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], config.max_grad_norm)
-        optimizer.step()
-        head.eval()
-        return float(loss.detach())
+        return optimizer_step(head, optimizer, lambda: self.loss(head, starts, config), config.max_grad_norm)
 
 
 @torch.inference_mode()

@@ -18,12 +18,7 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.data.sources import (
-    Query,
-    english_pools,
-    load_gsm_symbolic,
-    packaged_prompts,
-)
+from onlinespec.data.sources import Query, english_pools, load_gsm_symbolic, packaged_prompts
 from onlinespec.data.splits import split, split_of
 from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal

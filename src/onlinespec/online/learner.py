@@ -39,11 +39,7 @@ from onlinespec.distill.loop import run_steps
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import LearnableDraft, learnable
-from onlinespec.online.recorder import (
-    POSITION_POLICIES,
-    SOURCES,
-    records_from_generation,
-)
+from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.turns import EngineTurns
 from onlinespec.storage import kill_point

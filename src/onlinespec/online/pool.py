@@ -44,12 +44,7 @@ import torch
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex
-from onlinespec.decoding.proposers.suffix_files import (
-    SUFFIX_FILE,
-    SUFFIX_FILES,
-    SuffixFiles,
-    purge_saved_suffix,
-)
+from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, SUFFIX_FILES, SuffixFiles, purge_saved_suffix
 from onlinespec.decoding.request import Generation
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import learnable

@@ -38,24 +38,11 @@ import ray
 
 from onlinespec.cpu import PLUMBING_NICE, keep_other_threads_lowered
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.scale.learners import (
-    group_of,
-    learner_actor,
-    learner_actor_name,
-    replica_actor_name,
-)
+from onlinespec.scale.learners import group_of, learner_actor, learner_actor_name, replica_actor_name
 from onlinespec.scale.metrics import ClusterMetrics
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import (
-    Events,
-    Failed,
-    LoadFailed,
-    Overloaded,
-    Served,
-    ServeError,
-    Unavailable,
-)
+from onlinespec.serve.handles import Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
 from onlinespec.serve.operations import purge_cutoff, require_learning
 from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.tokens import Prompt

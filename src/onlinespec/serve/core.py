@@ -51,34 +51,12 @@ from onlinespec.factory import engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
-from onlinespec.serve.admission import (
-    Domains,
-    encode,
-    named_draft,
-    queue_full,
-    token_budget,
-)
+from onlinespec.serve.admission import Domains, encode, named_draft, queue_full, token_budget
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import (
-    STATIC,
-    TARGET_ALONE,
-    Delta,
-    Failed,
-    Handle,
-    LoadFailed,
-    ServeError,
-    Timeout,
-    Unavailable,
-)
+from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
 from onlinespec.serve.metrics import ServeMetrics
-from onlinespec.serve.operations import (
-    draft_rows,
-    housekeep,
-    operate,
-    purge_cutoff,
-    require_learning,
-)
+from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
 from onlinespec.serve.recorder import Recorder
 from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.tokens import Prompt, eos_token_ids, tokenizer_fingerprint

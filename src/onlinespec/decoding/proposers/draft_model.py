@@ -14,13 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.decoding.kvcache import truncate_cache
-from onlinespec.decoding.proposers.base import (
-    DraftInput,
-    ModelSlot,
-    PerRequestProposer,
-    Proposal,
-    SwappableDraft,
-)
+from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, PerRequestProposer, Proposal, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
 
 

@@ -15,12 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from onlinespec.decoding.feature_head import FeatureHead
-from onlinespec.decoding.proposers.base import (
-    DraftInput,
-    ModelSlot,
-    Proposal,
-    SwappableDraft,
-)
+from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
 
 

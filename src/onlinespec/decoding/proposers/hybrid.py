@@ -24,12 +24,7 @@ import torch
 
 from onlinespec.decoding.adaptive import expected_tokens
 from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.decoding.proposers.base import (
-    DraftInput,
-    ModelSlot,
-    Proposal,
-    SwappableDraft,
-)
+from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
 from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
 
