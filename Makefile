@@ -28,7 +28,7 @@ demo: setup
 	$(BIN)/onlinespec demo
 
 test: setup
-	$(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --durations=20
+	$(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --no-loadscope-reorder --durations=20
 
 bench: setup
 	$(BIN)/python bench/engine_bench.py

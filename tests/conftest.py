@@ -23,6 +23,28 @@ def pytest_configure(config):
         torch.set_num_threads(len(mine))
 
 
+# The test files that take longest (docs/testing.md: `make test`'s 20 slowest tests, summed by
+# file), longest first. `make test` hands whole files to its workers in collection order
+# (--dist loadfile --no-loadscope-reorder), so these start first and the short files fill the
+# gaps: a long file drawn last would keep one worker busy while the other idles.
+SLOWEST_FILES = [
+    "tests/test_cli.py",
+    "tests/decoding/test_greedy_identity.py",
+    "tests/decoding/test_llamacpp_backend.py",
+    "tests/decoding/test_lossless_engine.py",
+    "tests/serve/test_ray_replicas.py",
+    "tests/faults/test_kill_points.py",
+    "tests/decoding/test_suffix.py",
+    "tests/serve/test_server_lifecycle.py",
+    "tests/drafts/test_feature_head.py",
+    "tests/decoding/test_edge_cases.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept otherwise
+
 def build_tiny_llama(
     seed: int,
     vocab_size: int = 6,
