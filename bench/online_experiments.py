@@ -79,7 +79,7 @@ def teacher_signal(target, queries):
     from onlinespec.distill.signal import SignalConfig, build_signal
     from onlinespec.drafts.warmup import signal_key
 
-    config = SignalConfig(source="teacher", max_new_tokens=NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS, batch_size=16)
+    config = SignalConfig(sampling="teacher", max_new_tokens=NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS, batch_size=16)
     return build_signal(target.model, target.tokenizer, queries, config, cache_as=signal_key(target))
 
 
@@ -124,7 +124,7 @@ def train_reference(target, original: Path, signal, fraction: float) -> Path:
     return out
 
 
-LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, position_policy="verified", source="teacher")
+LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, position_policy="verified", sampling="teacher")
 
 
 def online_run(name: str, queries: list, original: Path, compare_every: int) -> dict:

@@ -9,7 +9,7 @@ as the learner did before it carried the optimizer state on.
 
 ``packaged`` starts from the packaged default head instead of the experiments' chat-only head.
 ``hybrid`` scores the blocks as the default draft serves them: n-gram lookup where the text
-offers a match, the head elsewhere; it also prints each source's acceptance. ``headrows`` trains
+offers a match, the head elsewhere; it also prints each drafter's acceptance. ``headrows`` trains
 only on the positions where the hybrid would ask the head (no n-gram match in the text so far).
 
 Needs the stream's signal (the first stage of bench/online_experiments.py builds and caches it).
@@ -53,12 +53,12 @@ def main() -> None:
     make = lambda: torch.optim.AdamW(head.parameters(), lr=lr)  # noqa: E731
     optimizer, generator, curve, baseline, started = make(), torch.Generator().manual_seed(0), [], [], time.time()
     alpha = lambda scored: sum(a for a, _ in scored) / sum(j for _, j in scored)  # noqa: E731
-    sources = {"learned": {}, "static": {}}
+    drafters = {"learned": {}, "static": {}}
     for start in range(0, len(index), interval):
         block = signal.select(index[start: start + interval])
         ngram = (3, 2) if hybrid else None
-        curve.append(alpha(replay_acceptance(head, block, 4, ngram=ngram, by_source=sources["learned"] if start else None)))
-        baseline.append(alpha(replay_acceptance(static, block, 4, ngram=ngram, by_source=sources["static"] if start else None)))
+        curve.append(alpha(replay_acceptance(head, block, 4, ngram=ngram, by_drafter=drafters["learned"] if start else None)))
+        baseline.append(alpha(replay_acceptance(static, block, 4, ngram=ngram, by_drafter=drafters["static"] if start else None)))
         task = ChainTask(signal.select(index[: start + interval]), ChainConfig(generated_only=True))
         if headrows:
             task.starts = task.starts[~ngram_covered(task.signal, task.starts)]
@@ -71,8 +71,8 @@ def main() -> None:
     print("static head, same blocks:", " ".join(f"{c:.3f}" for c in baseline))
     print(f"learned - static: mean over blocks 2.. {sum(c - b for c, b in zip(curve[1:], baseline[1:])) / max(1, len(curve) - 1):+.3f}, "
           f"last 4 blocks {sum(c - b for c, b in zip(curve[-4:], baseline[-4:])) / 4:+.3f}")
-    for name, tally in sources.items():  # blocks 2..: [accepted, judged] per source
-        print(f"{name}, blocks 2.. by source:", ", ".join(f"{src} {a / j:.3f} of {j} judged" for src, (a, j) in sorted(tally.items())))
+    for name, tally in drafters.items():  # blocks 2..: [accepted, judged] per drafter
+        print(f"{name}, blocks 2.. by drafter:", ", ".join(f"{drafter} {a / j:.3f} of {j} judged" for drafter, (a, j) in sorted(tally.items())))
 
 
 if __name__ == "__main__":

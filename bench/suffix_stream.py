@@ -115,10 +115,10 @@ def pooled(rows: list[dict]) -> float:
     return sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
 
 
-def sources(rows: list[dict]) -> dict[str, dict]:
+def drafters(rows: list[dict]) -> dict[str, dict]:
     out: dict[str, list[int]] = {}
     for r in rows:
-        for name, tally in r.get("by_source", {}).items():
+        for name, tally in r.get("by_drafter", r.get("by_source", {})).items():  # by_source: rows saved before the rename
             both = out.setdefault(name, [0, 0])
             both[0] += tally["draft_tokens"]
             both[1] += tally["accepted_tokens"]
@@ -209,9 +209,9 @@ def main() -> None:
         figures[name] = {"tokens_per_s_all": pooled(rows), "tokens_per_s_last": pooled(last), "alpha_all": alpha(rows),
                          "alpha_first": alpha(rows[: args.last]), "alpha_last": alpha(last), "last_vs_static": ratio,
                          "last_vs_static_95ci": [low, high], "last_vs_target": vs_target, "identical": identical,
-                         "sources_last": sources(last), "updates": len(updates),
+                         "drafters_last": drafters(last), "updates": len(updates),
                          "published": sum(1 for u in updates if u.get("outcome") == "published")}
-        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in figures[name]["sources_last"].items()) or "-"
+        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in figures[name]["drafters_last"].items()) or "-"
         table.append(f"| {name} | {pooled(rows):.1f} | {pooled(last):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | {vs_target:.2f}x | "
                      f"{alpha(rows[: args.last]):.3f} -> {alpha(last):.3f} | {kept} | "
                      f"{figures[name]['published']}/{figures[name]['updates']} | {identical}/{len(rows)} |")
@@ -229,8 +229,8 @@ def main() -> None:
         identical = sum(a.get("text_sha256") == b.get("text_sha256") for a, b in zip(again, target[cut:]))
         figures[mode] = {"tokens_per_s_last": pooled(again), "alpha_last": alpha(again), "last_vs_static": ratio,
                          "last_vs_static_95ci": [low, high], "last_vs_target": pooled(again) / pooled(target[cut:]),
-                         "identical": identical, "sources_last": sources(again)}
-        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in sources(again).items()) or "-"
+                         "identical": identical, "drafters_last": drafters(again)}
+        kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in drafters(again).items()) or "-"
         table.append(f"| {label} (the last {args.last} again) | - | {pooled(again):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | "
                      f"{pooled(again) / pooled(target[cut:]):.2f}x | - -> {alpha(again):.3f} | {kept} | - | {identical}/{len(again)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)

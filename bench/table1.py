@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 WORK = ROOT / "runs" / "table1"
 DOMAINS = ("chat", "code", "math")
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
-SOURCES = ("teacher", "student", "mixed")
+SAMPLING_MODES = ("teacher", "student", "mixed")
 
 
 def build_original(target, steps: int, specialise_ids: set[str]) -> Path:
@@ -61,13 +61,13 @@ def run_cells(steps: int, original_steps: int, queries: int, batch_size: int) ->
     original = build_original(target, original_steps, specialise_ids)
     cells_path = WORK / "cells.json"
     cells = json.loads(cells_path.read_text()) if cells_path.exists() else {}
-    plan = [(d, "ground-truth", "fkl") for d in DOMAINS] + [(d, s, l) for d in DOMAINS for s in SOURCES for l in LOSSES]
-    for domain, source, loss in plan:
-        key = f"{domain}/{source}/{loss}"
+    plan = [(d, "ground-truth", "fkl") for d in DOMAINS] + [(d, s, l) for d in DOMAINS for s in SAMPLING_MODES for l in LOSSES]
+    for domain, sampling, loss in plan:
+        key = f"{domain}/{sampling}/{loss}"
         if key in cells:
             continue
         start = time.time()
-        run = DistillRun(domain=domain, signal=source, loss=loss, queries=queries, steps=steps, batch_size=batch_size)
+        run = DistillRun(domain=domain, signal=sampling, loss=loss, queries=queries, steps=steps, batch_size=batch_size)
         result = run_distill(target, original, run)
         result["seconds"] = time.time() - start
         cells[key] = result
@@ -89,16 +89,16 @@ def report(cells: dict) -> None:
         return fig[domain]["accepted_per_round"][-1]
 
     any_cell = next(iter(cells.values()))
-    rows = ["original", "ground-truth"] + [f"{s}/{l}" for s in SOURCES for l in LOSSES]
+    rows = ["original", "ground-truth"] + [f"{s}/{l}" for s in SAMPLING_MODES for l in LOSSES]
     table = {r: {} for r in rows}
     for domain in DOMAINS:
         first = next(c for k, c in cells.items() if k.startswith(domain + "/"))
         table["original"][domain] = (step1(first["before"], domain), tau(first["before"], domain))
         for key, cell in cells.items():
-            d, source, loss = key.split("/")
+            d, sampling, loss = key.split("/")
             if d != domain:
                 continue
-            row = "ground-truth" if source == "ground-truth" else f"{source}/{loss}"
+            row = "ground-truth" if sampling == "ground-truth" else f"{sampling}/{loss}"
             table[row][domain] = (step1(cell["heldout"], domain), tau(cell["heldout"], domain))
     lines = [
         "# Table 1 on our data: acceptance of specialised drafts",
@@ -122,7 +122,7 @@ def report(cells: dict) -> None:
     for ax, domain in zip(axes, DOMAINS):
         names = [r for r in rows if domain in table[r]]
         values = [table[r][domain][0] for r in names]
-        colors = ["#888888", "#444444"] + [f"C{SOURCES.index(r.split('/')[0])}" for r in names[2:]]
+        colors = ["#888888", "#444444"] + [f"C{SAMPLING_MODES.index(r.split('/')[0])}" for r in names[2:]]
         ax.bar(range(len(names)), values, color=colors)
         ax.set_xticks(range(len(names)), names, rotation=75, fontsize=8)
         ax.set_title(domain)
@@ -148,10 +148,10 @@ def findings(table: dict) -> list[str]:
             f"- **{domain}**: original {original:.3f}; best distilled {best} {distilled[best]:.3f} "
             f"({distilled[best] - original:+.3f}); ground-truth fine-tuning {gt:.3f} ({gt - original:+.3f})."
         )
-    by_source = {s: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for l in LOSSES for d in DOMAINS) for s in SOURCES}
-    by_loss = {l: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for s in SOURCES for d in DOMAINS) for l in LOSSES}
+    by_sampling = {s: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for l in LOSSES for d in DOMAINS) for s in SAMPLING_MODES}
+    by_loss = {l: statistics.fmean(table[f"{s}/{l}"][d][0] - table["original"][d][0] for s in SAMPLING_MODES for d in DOMAINS) for l in LOSSES}
     out += [
-        "- Mean change over the original, by signal: " + ", ".join(f"{s} {v:+.3f}" for s, v in by_source.items()) + ".",
+        "- Mean change over the original, by signal: " + ", ".join(f"{s} {v:+.3f}" for s, v in by_sampling.items()) + ".",
         "- Mean change over the original, by loss: " + ", ".join(f"{l} {v:+.3f}" for l, v in by_loss.items()) + ".",
         "",
         "Where we agree with the paper (arXiv 2310.07177, section 4.1: teacher sampling gave the highest acceptance;",

@@ -44,7 +44,7 @@ def serve(queries, tenants: int, new_tokens: int) -> dict:
                                  max_tokens=new_tokens, tenant=f"t{i % tenants}").result()
             s = served.stats
             accepted, judged = accepted + s.accepted, judged + s.accepted + s.rejected
-            sent, kept = s.by_source.get("suffix", (0, 0))
+            sent, kept = s.by_drafter.get("suffix", (0, 0))
             suffix_sent, suffix_kept = suffix_sent + sent, suffix_kept + kept
             tokens, seconds = tokens + len(served.token_ids), seconds + s.seconds
             if (i + 1) % 20 == 0:

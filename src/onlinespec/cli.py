@@ -223,7 +223,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "interval_unit": (Annotated[str, typer.Option(help="requests, records or tokens")], LearnerConfig.interval_unit),
     "loss": (Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")], DistillConfig.loss),
     "beta": (Annotated[float, typer.Option(help="JSD mixing weight")], DistillConfig.beta),
-    "source": (Annotated[str, typer.Option(help="sampling source: teacher (served text), student (the draft's rejected proposals) or mixed")], LearnerConfig.source),
+    # --source: the flag's old name, kept as an alias so existing scripts still run
+    "sampling": (Annotated[str, typer.Option("--sampling", "--source", help="the training signal's sampling mode: teacher (served text), student (the draft's rejected proposals) or mixed")], LearnerConfig.sampling),
     "positions": (Annotated[str, typer.Option(help="train on 'rejected' positions (the paper) or every 'verified' one")], LearnerConfig.position_policy),
     "buffer_policy": (Annotated[str, typer.Option(help="clear, window, reservoir or priority")], CoreConfig.buffer_policy),
     "buffer_records": (Annotated[int, typer.Option(min=1, help="the most records a draft's replay buffer keeps")], CoreConfig.buffer_records),
@@ -249,7 +250,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
     "shared_suffix": (Annotated[bool, typer.Option(help="one suffix index per draft for all tenants: more acceptance, but a client's proposals then reveal other clients' text (docs/reliability.md)")], CoreConfig.shared_suffix),
-    "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_source): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
+    "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
     "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
     "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
@@ -263,7 +264,7 @@ CORE_OPTIONS: dict[str, tuple] = {
 
 def _core_config(o: dict) -> CoreConfig:
     learner = LearnerConfig(
-        update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], source=o["source"],
+        update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"], batch_size=o["batch_size"],
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],

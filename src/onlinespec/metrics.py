@@ -39,7 +39,7 @@ def speculative_decoding(stats) -> dict:
         "draft_acceptance_rate": stats.accepted / stats.proposed if stats.proposed else 0.0,
         "alpha": stats.acceptance_rate,
         "tokens_per_target_forward": stats.mean_accepted_length,
-        "by_source": {name: {"draft_tokens": sent, "accepted_tokens": kept} for name, (sent, kept) in stats.by_source.items()},
+        "by_drafter": {name: {"draft_tokens": sent, "accepted_tokens": kept} for name, (sent, kept) in stats.by_drafter.items()},
     }
 
 

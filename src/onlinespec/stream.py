@@ -82,7 +82,7 @@ def stream_row(text: str, metrics: dict, new_tokens: int, seconds: float) -> dic
     return {
         "text": text, "acceptance_rate": spec["alpha"], "tau": spec["tokens_per_target_forward"],
         "accepted": spec["num_accepted_tokens"], "judged": spec["num_judged_tokens"], "new_tokens": new_tokens,
-        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "by_source": spec.get("by_source", {}),
+        "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0, "by_drafter": spec.get("by_drafter", {}),
         "draft": spec["draft"],
         "draft_version": spec["draft_version"], "learner_busy": metrics["learner_busy"],
     }

@@ -17,7 +17,7 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str = "these weights") -> None:
+def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], label: str = "these weights") -> None:
     """Load ``state_dict`` into ``model`` strictly: every tensor the model has, except the tied
     names :func:`unique_tensors` dropped, must be there with its shape, and nothing else; then
     re-tie. Weights saved for another draft are a clear ``ValueError``, never a silent partial load."""
@@ -25,10 +25,10 @@ def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], so
     try:
         result = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as err:  # a size mismatch
-        raise ValueError(f"{source} do not fit this draft (saved for another draft or target?): {err}") from None
+        raise ValueError(f"{label} do not fit this draft (saved for another draft or target?): {err}") from None
     missing = [name for name in result.missing_keys if name not in tied]
     if missing or result.unexpected_keys:
-        raise ValueError(f"{source} do not fit this draft (saved for another draft or target?): missing {missing[:4]}, "
+        raise ValueError(f"{label} do not fit this draft (saved for another draft or target?): missing {missing[:4]}, "
                          f"unexpected {result.unexpected_keys[:4]}")
     if hasattr(model, "tie_weights"):
         model.tie_weights()

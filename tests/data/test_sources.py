@@ -161,16 +161,16 @@ def test_packaged_prompts_uneven_and_subset() -> None:
 
 def test_query_needs_exactly_one_of_prompt_and_messages() -> None:
     with pytest.raises(ValueError, match="neither"):
-        Query(id="a", domain="d", source="s")
+        Query(id="a", domain="d", origin="s")
     with pytest.raises(ValueError, match="both"):
         Query(
-            id="a", domain="d", source="s", prompt="x", messages=({"role": "user", "content": "y"},)
+            id="a", domain="d", origin="s", prompt="x", messages=({"role": "user", "content": "y"},)
         )
 
 
 def test_jsonl_round_trip(tmp_path: Path) -> None:
     raw = Query(
-        id="raw/1", domain="chat", source="t", prompt="Once upon", max_new_tokens=8, train=False
+        id="raw/1", domain="chat", origin="t", prompt="Once upon", max_new_tokens=8, train=False
     )
     queries = [*packaged_prompts(6), raw]
     path = tmp_path / "sub" / "queries.jsonl"

@@ -10,7 +10,7 @@ from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
 
 
 def pool(domain, n):
-    return [Query(id=f"{domain}/{i}", domain=domain, source="test", prompt=f"{domain} {i}") for i in range(n)]
+    return [Query(id=f"{domain}/{i}", domain=domain, origin="test", prompt=f"{domain} {i}") for i in range(n)]
 
 
 def test_splits_are_disjoint_complete_and_stable():

@@ -164,16 +164,16 @@ def test_plain_decoding_when_wider_forwards_do_not_pay_at_a_large_batch(tiny_tar
 
 def test_plan_step_pads_every_flexible_row_to_the_chosen_width():
     adaptive = AdaptiveK([1.0, 1.0, 1.0, 1.0, 1.0], prior_weight=1.0)  # wider is free: verify everything
-    rows = [PlanRow(Proposal([1, 2, 3], confidences=[0.9] * 3, source="head"), adaptive, True),
-            PlanRow(Proposal([1], confidences=[0.9], source="head"), adaptive, True),
-            PlanRow(Proposal([4, 4], source="ngram"), None)]  # no statistics: verifies all its proposals
+    rows = [PlanRow(Proposal([1, 2, 3], confidences=[0.9] * 3, drafter="head"), adaptive, True),
+            PlanRow(Proposal([1], confidences=[0.9], drafter="head"), adaptive, True),
+            PlanRow(Proposal([4, 4], drafter="ngram"), None)]  # no statistics: verifies all its proposals
     width, counts = plan_step(rows)
     assert width == 4 and counts == [3, 1, 2]
 
 
 def test_a_fixed_row_sets_the_floor_of_the_width():
     costly = AdaptiveK([1.0, 5.0, 5.0, 5.0], prior_weight=1.0)  # wider never pays for a flexible row
-    rows = [PlanRow(Proposal([1, 2], confidences=[0.9, 0.9], source="head"), costly, True),
+    rows = [PlanRow(Proposal([1, 2], confidences=[0.9, 0.9], drafter="head"), costly, True),
             PlanRow(Proposal([3, 3, 3]), costly, fixed=True)]  # a seeded sampled request
     width, counts = plan_step(rows)
     assert width == 4 and counts == [2, 3]  # the flexible row rides along for free once it is that wide

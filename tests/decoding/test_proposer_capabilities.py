@@ -13,7 +13,7 @@ from tests.drafts.test_feature_head import random_head
 
 
 def capabilities(proposer) -> tuple[bool, bool, bool, str]:
-    return proposer.uses_features, proposer.swappable, proposer.suffix_index is not None, proposer.source
+    return proposer.uses_features, proposer.swappable, proposer.suffix_index is not None, proposer.drafter
 
 
 def test_each_drafter_declares_what_it_can_do(tiny_target, tiny_draft):

@@ -80,8 +80,8 @@ def test_the_proposer_copies_the_request_first_then_earlier_requests():
     proposer = SuffixProposer(index, min_match=2)
     greedy = SamplingParams(temperature=0.0)
     own, earlier = proposer.propose([DraftInput([5, 6, 7, 5, 6], 2, greedy, None), DraftInput([9, 11, 12], 2, greedy, None)])
-    assert own.source == "ngram" and own.tokens == [7, 5]
-    assert earlier.source == "suffix" and earlier.tokens == [13, 14] and len(earlier.confidences) == 2
+    assert own.drafter == "ngram" and own.tokens == [7, 5]
+    assert earlier.drafter == "suffix" and earlier.tokens == [13, 14] and len(earlier.confidences) == 2
 
 
 def test_greedy_from_the_index_is_identical_to_the_target_alone_and_accepted(tiny_target):
@@ -130,12 +130,12 @@ def test_the_hybrid_takes_the_index_only_when_it_is_expected_to_go_further(tiny_
     index.add([0, 3, 1, 2, 5, 4], "once")  # one occurrence: confidence 1/2 per token
     hybrid = HybridProposer(DraftModelProposer(tiny_draft), suffix_index=index)
     greedy = SamplingParams(temperature=0.0)
-    ask = lambda adaptive: hybrid.propose([DraftInput([4, 3, 1, 2], 2, greedy, None, adaptive=adaptive)])[0].source  # noqa: E731
+    ask = lambda adaptive: hybrid.propose([DraftInput([4, 3, 1, 2], 2, greedy, None, adaptive=adaptive)])[0].drafter  # noqa: E731
     assert ask(None) == "suffix"  # nothing measured: the free proposal
     stats = AdaptiveK([1.0, 1.0, 1.0])
     for _ in range(200):  # the draft model has been accepted almost always, the index's half-sure guesses never
-        stats.update(Proposal([1, 2], source="draft"), 2, use_confidence=True)
-        stats.update(Proposal([1, 2], confidences=[0.5, 0.5], source="suffix"), 0, use_confidence=True)
+        stats.update(Proposal([1, 2], drafter="draft"), 2, use_confidence=True)
+        stats.update(Proposal([1, 2], confidences=[0.5, 0.5], drafter="suffix"), 0, use_confidence=True)
     assert ask(stats) == "draft"
 
 
@@ -146,8 +146,8 @@ def test_the_hybrid_asks_the_learned_draft_for_at_most_learned_k_tokens(tiny_dra
     hybrid = HybridProposer(DraftModelProposer(tiny_draft), suffix_index=SuffixIndex(), learned_k=2)
     greedy = SamplingParams(temperature=0.0)
     learned, copied = hybrid.propose([DraftInput([0, 1, 2, 3], 6, greedy, None), DraftInput([1, 2, 3, 4, 5, 1, 2], 6, greedy, None)])
-    assert learned.source == "draft" and len(learned) == 2  # each learned token costs a draft step
-    assert copied.source == "ngram" and copied.tokens == [3, 4, 5, 1, 2]  # copies are free: up to k
+    assert learned.drafter == "draft" and len(learned) == 2  # each learned token costs a draft step
+    assert copied.drafter == "ngram" and copied.tokens == [3, 4, 5, 1, 2]  # copies are free: up to k
 
 
 def test_a_save_taken_before_a_purge_never_lands_after_it(tmp_path):

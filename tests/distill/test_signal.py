@@ -1,4 +1,4 @@
-"""Batched training-signal generation: what each source writes, and that it is what decoding sees."""
+"""Batched training-signal generation: what each sampling mode writes, and that it is what decoding sees."""
 
 from __future__ import annotations
 
@@ -46,17 +46,17 @@ def test_teacher_sequences_are_the_targets_greedy_outputs(small, default_tokeniz
 
 
 def test_fixed_signal_is_the_prompt_text_only(small, default_tokenizer):
-    signal = build_signal(small, default_tokenizer, QUERIES, SignalConfig(source="fixed"), progress=False)
+    signal = build_signal(small, default_tokenizer, QUERIES, SignalConfig(sampling="fixed"), progress=False)
     assert signal.n_tokens == sum(len(default_tokenizer(q.prompt).input_ids) for q in QUERIES)
     assert torch.equal(signal.prompt_lens, signal.starts[1:] - signal.starts[:-1])
 
 
-def test_student_and_mixed_sources(small, default_tokenizer):
+def test_student_and_mixed_sampling(small, default_tokenizer):
     with pytest.raises(ValueError, match="student"):
-        build_signal(small, default_tokenizer, QUERIES, SignalConfig(source="student"), progress=False)
+        build_signal(small, default_tokenizer, QUERIES, SignalConfig(sampling="student"), progress=False)
     torch.manual_seed(0)
     head = FeatureHead.for_target(small, torch.arange(0, 3000), intermediate_size=8, num_blocks=1)
-    student = build_signal(small, default_tokenizer, QUERIES, SignalConfig(source="student", max_new_tokens=8), student=head, progress=False)
+    student = build_signal(small, default_tokenizer, QUERIES, SignalConfig(sampling="student", max_new_tokens=8), student=head, progress=False)
     # the student writes only tokens of its vocabulary; the target still scores every position
     for i in range(3):
         written = student.ids[int(student.starts[i] + student.prompt_lens[i]): int(student.starts[i + 1])]
@@ -64,7 +64,7 @@ def test_student_and_mixed_sources(small, default_tokenizer):
     assert student.features.shape[0] == student.n_tokens
     teacher = build_signal(small, default_tokenizer, QUERIES, SignalConfig(max_new_tokens=8), progress=False)
     none_from_student = build_signal(
-        small, default_tokenizer, QUERIES, SignalConfig(source="mixed", mix_ratio=0.0, max_new_tokens=8), student=head, progress=False
+        small, default_tokenizer, QUERIES, SignalConfig(sampling="mixed", mix_ratio=0.0, max_new_tokens=8), student=head, progress=False
     )
     assert torch.equal(none_from_student.ids, teacher.ids)
 
@@ -79,5 +79,5 @@ def test_cache_round_trip_and_bad_config(small, default_tokenizer, tmp_path, mon
     assert again.query_ids == ["q/0", "q/1", "q/2"]
     two = Signal.concat([first.select([2]), first.select([0])])
     assert two.domains == ["math", "chat"] and two.n_tokens == first.select([0, 2]).n_tokens
-    with pytest.raises(ValueError, match="source"):
-        SignalConfig(source="teachr")
+    with pytest.raises(ValueError, match="sampling mode"):
+        SignalConfig(sampling="teachr")

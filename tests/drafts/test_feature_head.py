@@ -84,14 +84,14 @@ def test_hybrid_prefers_a_copy_and_falls_back_to_the_head(tiny_target):
     # one batch: the first request has a copy to make, the second goes to the head
     copied, drafted = proposer.propose([DraftInput([1, 2, 3, 1, 2], 2, params, None, states[0]),
                                         DraftInput([5, 4, 3], 2, params, None, states[1])])
-    assert copied.source == "ngram" and copied.tokens == [3, 1]
-    assert drafted.source == "head" and len(drafted) == 2 and set(drafted.tokens) <= set(VOCAB.tolist())
+    assert copied.drafter == "ngram" and copied.tokens == [3, 1]
+    assert drafted.drafter == "head" and len(drafted) == 2 and set(drafted.tokens) <= set(VOCAB.tolist())
 
 
 def test_adaptive_k_sends_more_when_acceptance_is_high():
     policy = AdaptiveK([1.0, 1.05, 1.1, 1.5, 1.6], prior_weight=1.0)
-    sure = Proposal([1, 2, 3, 4], confidences=[0.95, 0.9, 0.9, 0.9], source="head")
-    unsure = Proposal([1, 2, 3, 4], confidences=[0.05, 0.05, 0.05, 0.05], source="head")
+    sure = Proposal([1, 2, 3, 4], confidences=[0.95, 0.9, 0.9, 0.9], drafter="head")
+    unsure = Proposal([1, 2, 3, 4], confidences=[0.05, 0.05, 0.05, 0.05], drafter="head")
     assert policy.choose(sure, 1, True) >= 2
     assert policy.choose(unsure, 1, True) == 0
     # measured acceptance overrides an over-confident draft

@@ -81,7 +81,7 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     monkeypatch.setenv("ONLINESPEC_CACHE", str(tmp_path / "cache"))
     decoder = load_decoder(str(other_target), draft="hybrid", calibrate=False)  # no packaged head fits: a fresh one
     assert decoder.proposer.learned.head.config.vocab_from_traffic
-    queries = [Query(id=f"q{i}", domain="code", source="test", prompt=TEXTS[i % 4][:20]) for i in range(8)]
+    queries = [Query(id=f"q{i}", domain="code", origin="test", prompt=TEXTS[i % 4][:20]) for i in range(8)]
     core = CoreConfig(target=str(other_target), draft="hybrid", k=3, kernels=False, adaptive_k=False,
                       learner=LearnerConfig(update_interval=2, steps_per_update=4, batch_size=4, priority="normal", gate_margin=1.0))
     result = run_stream(queries, OnlineConfig(core, max_new_tokens=12, compare_every=2), tmp_path / "run")

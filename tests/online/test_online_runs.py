@@ -87,7 +87,7 @@ def test_a_stream_compares_online_static_and_target_alone_in_one_run(tiny_target
     from onlinespec.stream import OnlineConfig, run_stream
 
     monkeypatch.setenv("ONLINESPEC_CACHE", str(tmp_path / "cache"))
-    queries = [Query(id=f"q{i}", domain="code" if i < 4 else "chat", source="test", prompt=f"def f{i}(x):",
+    queries = [Query(id=f"q{i}", domain="code" if i < 4 else "chat", origin="test", prompt=f"def f{i}(x):",
                      train=i != 5) for i in range(8)]
     core = CoreConfig(target=str(tiny_target_folder), draft="target-layers:1", k=2, kernels=False, adaptive_k=False,
                       learner=LearnerConfig(update_interval=3, steps_per_update=2, batch_size=4, priority="normal",

@@ -1,4 +1,4 @@
-"""The online sampling source is honoured (teacher rows, the draft's rejected branches, or both),
+"""The online sampling mode is honoured (teacher rows, the draft's rejected branches, or both),
 and replaying speculative decoding over the target's greedy answers gives exactly what a live
 fixed-k run accepts."""
 
@@ -59,7 +59,7 @@ def test_student_records_are_the_rows_after_each_rejection_in_the_drafts_context
     assert chain_task(branches, "rejected").starts.numel() == chain_task(branches, "verified").starts.numel() > 0
 
 
-def test_each_source_yields_its_own_records(tiny_llama, one_thread):
+def test_each_sampling_mode_yields_its_own_records(tiny_llama, one_thread):
     target, head = make(tiny_llama)
     out = traced(target, head)
     teacher = records_from_generation(out, "verified", "teacher")
@@ -68,25 +68,25 @@ def test_each_source_yields_its_own_records(tiny_llama, one_thread):
     assert len(teacher) == 1 and teacher[0].token_ids == out.prompt_ids + out.token_ids
     assert student and all("#student@" in r.request_id for r in student)
     assert len(mixed) == len(teacher) + len(student)
-    with pytest.raises(ValueError, match="sampling source"):
+    with pytest.raises(ValueError, match="sampling mode"):
         records_from_generation(out, "verified", "teachers")
 
 
-def test_the_learner_stores_what_its_source_says(tiny_llama, tmp_path, one_thread):
+def test_the_learner_stores_what_its_sampling_mode_says(tiny_llama, tmp_path, one_thread):
     target, head = make(tiny_llama)
-    for source in ("teacher", "student", "mixed"):
+    for sampling in ("teacher", "student", "mixed"):
         proposer = FeatureHeadProposer(head.clone())
-        buffer = ReplayBuffer(tmp_path / source / "buffer", policy="window")
-        learner = OnlineLearner(proposer, buffer, DraftRegistry(tmp_path / source / "drafts"),
-                                LearnerConfig(update_interval=100, source=source, position_policy="verified"), background=False)
+        buffer = ReplayBuffer(tmp_path / sampling / "buffer", policy="window")
+        learner = OnlineLearner(proposer, buffer, DraftRegistry(tmp_path / sampling / "drafts"),
+                                LearnerConfig(update_interval=100, sampling=sampling, position_policy="verified"), background=False)
         out = SpeculativeDecoder(target, None, proposer, k=3).generate([3, 1, 4, 1, 5, 9], PARAMS, trace=True)
         learner.observe(out, "code", "q1")
         kinds = {"#student@" in r.request_id for r in buffer.records()}
-        assert kinds == {"teacher": {False}, "student": {True}, "mixed": {False, True}}[source]
+        assert kinds == {"teacher": {False}, "student": {True}, "mixed": {False, True}}[sampling]
 
 
 def test_learner_budget_is_validated():
-    for bad in ({"source": "both"}, {"priority": "high"}, {"cpu_share": 0.0}, {"cpu_share": 1.5}, {"threads": 0}):
+    for bad in ({"sampling": "both"}, {"priority": "high"}, {"cpu_share": 0.0}, {"cpu_share": 1.5}, {"threads": 0}):
         with pytest.raises(ValueError):
             LearnerConfig(**bad)
 
@@ -94,13 +94,13 @@ def test_learner_budget_is_validated():
 @pytest.mark.parametrize("k,hybrid", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thread, k, hybrid):
     """The replayed (accepted, judged) of each request equal the live engine's, head for head,
-    and for the hybrid of n-gram lookup and the head, source by source."""
+    and for the hybrid of n-gram lookup and the head, drafter by drafter."""
     torch.manual_seed(0)
     target = tiny_llama(seed=3, vocab_size=len(default_tokenizer), hidden_size=32, head_scale=30.0)
     if hybrid:  # it writes from 8 tokens only, so its text repeats and n-gram lookup finds matches
         with torch.no_grad():
             target.lm_head.weight[torch.ones(len(default_tokenizer), dtype=torch.bool).index_fill_(0, torch.arange(100, 108), False)] = 0
-    queries = [Query(id=f"q{i}", domain="code", source="test", prompt=text) for i, text in enumerate(["def add(a, b):", "Hello there", "1 + 1 ="])]
+    queries = [Query(id=f"q{i}", domain="code", origin="test", prompt=text) for i, text in enumerate(["def add(a, b):", "Hello there", "1 + 1 ="])]
     signal = build_signal(target, default_tokenizer, queries, SignalConfig(max_new_tokens=40, batch_size=1), progress=False)
     head = FeatureHead.for_target(target, torch.unique(signal.top_ids[:, :2]), intermediate_size=32, num_blocks=1)
     task = ChainTask(signal, ChainConfig(depth=2))  # train it a little: rounds then accept some and reject some
@@ -108,10 +108,10 @@ def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thr
     for _ in range(60):
         task.step(head, optimizer, task.starts.tolist(), DistillConfig())
     head.requires_grad_(False)
-    sources = {}
-    replayed = replay_acceptance(head, signal, k, ngram=(3, 2) if hybrid else None, by_source=sources)
+    drafters = {}
+    replayed = replay_acceptance(head, signal, k, ngram=(3, 2) if hybrid else None, by_drafter=drafters)
     assert 0 < sum(a for a, _ in replayed) < sum(j for _, j in replayed)  # some accepted, some rejected
-    assert set(sources) == ({"ngram", "head"} if hybrid else {"head"})
+    assert set(drafters) == ({"ngram", "head"} if hybrid else {"head"})
     proposer = HybridProposer(FeatureHeadProposer(head), 3, 2) if hybrid else FeatureHeadProposer(head)
     decoder = SpeculativeDecoder(target, default_tokenizer, proposer, k=k)
     for i, (query, (accepted, judged)) in enumerate(zip(queries, replayed)):

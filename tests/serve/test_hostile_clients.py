@@ -217,7 +217,7 @@ def test_tenants_are_separated_by_api_key(launch, tmp_path):
 
     first, again, other = ask("key-of-a"), ask("key-of-a"), ask("key-of-b")
     spec = lambda r: r["metrics"]["speculative_decoding"]  # noqa: E731
-    assert "by_source" not in spec(again)
+    assert "by_drafter" not in spec(again)
     assert spec(again)["num_accepted_tokens"] > spec(first)["num_accepted_tokens"], "tenant A is drafted from its own first answer"
     assert spec(other)["num_accepted_tokens"] == spec(first)["num_accepted_tokens"], "tenant B sees nothing of A's answer"
     assert other["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]

@@ -38,8 +38,8 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
         assert index.stats()["requests"] == 2  # q1 and q2; never the opted-out one
         assert again.text == first.text
         assert again.stats.acceptance_rate > 0.9 > first.stats.acceptance_rate  # drafted from q1's answer
-        sent, kept = again.stats.by_source["suffix"]
-        assert kept > 0.9 * sent and again.metrics()["speculative_decoding"]["by_source"]["suffix"]["accepted_tokens"] == kept
+        sent, kept = again.stats.by_drafter["suffix"]
+        assert kept > 0.9 * sent and again.metrics()["speculative_decoding"]["by_drafter"]["suffix"]["accepted_tokens"] == kept
         alone = SpeculativeDecoder(target.model, target.tokenizer, None).generate(
             question, SamplingParams(max_new_tokens=24))
         assert again.token_ids == alone.token_ids
@@ -115,7 +115,7 @@ def test_a_second_tenant_learns_nothing_from_the_first_tenants_text(tiny_target_
         other = core.submit(question, GREEDY, max_tokens=24, tenant="key-b").result()
     finally:
         core.shutdown()
-    suffix_hits = lambda served: served.metrics()["speculative_decoding"]["by_source"].get("suffix", {}).get("accepted_tokens", 0)  # noqa: E731
+    suffix_hits = lambda served: served.metrics()["speculative_decoding"]["by_drafter"].get("suffix", {}).get("accepted_tokens", 0)  # noqa: E731
     assert suffix_hits(again) > 0, "the test has power: a tenant's own repeat is drafted from the index"
     assert other.text == again.text
     if shared:
@@ -123,4 +123,4 @@ def test_a_second_tenant_learns_nothing_from_the_first_tenants_text(tiny_target_
     else:
         assert suffix_hits(other) == 0 and other.stats.accepted < again.stats.accepted
     details_off = dataclasses.replace(other, details=False).metrics()["speculative_decoding"]
-    assert "by_source" not in details_off
+    assert "by_drafter" not in details_off

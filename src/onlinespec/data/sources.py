@@ -92,7 +92,7 @@ class Query:
     Attributes:
         id: Stable identifier, e.g. ``"humaneval/12"``.
         domain: Traffic class, e.g. ``"chat"``, ``"code"``, ``"math"``.
-        source: Where the query came from (a source name or a file name).
+        origin: Where the query came from (a data source's name or a file name).
         prompt: Raw text to continue, without a chat template.
         messages: Chat turns, each a ``{"role": ..., "content": ...}`` dict.
         max_new_tokens: Per-query generation budget; ``None`` uses the caller's default.
@@ -103,7 +103,7 @@ class Query:
 
     id: str
     domain: str
-    source: str
+    origin: str
     prompt: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     max_new_tokens: int | None = None
@@ -172,8 +172,8 @@ def _check_text_fields(prompt: object, messages: object) -> None:
                 )
 
 
-def _user_query(id: str, domain: str, source: str, text: str) -> Query:
-    return Query(id=id, domain=domain, source=source, messages=({"role": "user", "content": text},))
+def _user_query(id: str, domain: str, origin: str, text: str) -> Query:
+    return Query(id=id, domain=domain, origin=origin, messages=({"role": "user", "content": text},))
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,7 +599,7 @@ def packaged_prompts(n: int, domains: Sequence[str] = DOMAINS, seed: int = 0, sp
 # JSONL files
 
 
-def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
+def _query_from_json_line(line: str, default_id: str, origin: str) -> Query:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -616,7 +616,7 @@ def _query_from_json_line(line: str, default_id: str, source: str) -> Query:
     return Query(
         id=obj.get("id", default_id),
         domain=obj.get("domain", "default"),
-        source=source,
+        origin=origin,
         prompt=obj.get("prompt"),
         messages=obj.get("messages"),
         max_new_tokens=obj.get("max_new_tokens"),

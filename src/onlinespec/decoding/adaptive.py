@@ -81,9 +81,9 @@ class AdaptiveK:
         """Acceptance of steps 1..n of a proposal not drafted yet (any drafter, no confidence)."""
         return [self._estimate((f"{ANY}@step", i), 0.5) for i in range(n)]
 
-    def source_estimates(self, source: str, n: int) -> list[float]:
-        """Acceptance of steps 1..n of a proposal ``source`` has not drafted yet (no confidence)."""
-        return [self._estimate((f"{source}@step", i), 0.5) for i in range(n)]
+    def drafter_estimates(self, drafter: str, n: int) -> list[float]:
+        """Acceptance of steps 1..n of a proposal ``drafter`` has not drafted yet (no confidence)."""
+        return [self._estimate((f"{drafter}@step", i), 0.5) for i in range(n)]
 
     def choose(self, proposal: Proposal, uncached: int, use_confidence: bool) -> int:
         """How many of ``proposal``'s tokens to verify (0 .. len), for one request alone."""
@@ -101,7 +101,7 @@ class AdaptiveK:
     def update(self, proposal: Proposal, n_accepted: int, use_confidence: bool) -> None:
         """Record what verification judged: proposals up to and including the first rejection."""
         for i in range(min(len(proposal), n_accepted + 1)):
-            for key in {self._key(proposal, i, use_confidence)[0], (f"{proposal.source}@step", i), (f"{ANY}@step", i)}:
+            for key in {self._key(proposal, i, use_confidence)[0], (f"{proposal.drafter}@step", i), (f"{ANY}@step", i)}:
                 rate = self.rates.setdefault(key, _Rate())
                 rate.accepted = rate.accepted * self.decay + (i < n_accepted)
                 rate.judged = rate.judged * self.decay + 1
@@ -114,8 +114,8 @@ class AdaptiveK:
     def _key(proposal: Proposal, i: int, use_confidence: bool) -> tuple[tuple[str, int], float]:
         if use_confidence and proposal.confidences is not None:
             c = proposal.confidences[i]
-            return (proposal.source, min(int(c * BINS), BINS - 1)), c
-        return (f"{proposal.source}@step", i), 0.5
+            return (proposal.drafter, min(int(c * BINS), BINS - 1)), c
+        return (f"{proposal.drafter}@step", i), 0.5
 
 
 @dataclass
@@ -201,5 +201,5 @@ def trim(proposal: Proposal, n: int) -> Proposal:
         proposal.probs[:n] if proposal.probs is not None else None,
         proposal.forward_seconds,
         proposal.confidences[:n] if proposal.confidences is not None else None,
-        proposal.source,
+        proposal.drafter,
     )

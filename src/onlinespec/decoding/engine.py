@@ -339,7 +339,7 @@ class SpeculativeEngine:
         r.ids.extend(new)
         r.new_tokens = new
         stats = r.stats
-        stats.add_round(n, verdict.n_accepted, timing, proposal.source)
+        stats.add_round(n, verdict.n_accepted, timing, proposal.drafter)
         stats.new_tokens = len(r.stop.generated)
         stats.seconds = time.perf_counter() - r.submitted
         if not stats.first_token_seconds:

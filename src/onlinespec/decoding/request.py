@@ -77,14 +77,14 @@ class RequestStats:
     step_accepted: list[int] = field(default_factory=list)
     # rounds that sent proposals, by how many the target accepted: accepted_histogram[n] rounds kept n
     accepted_histogram: list[int] = field(default_factory=list)
-    # per drafter (Proposal.source: ngram, suffix, head, ...): [proposals sent, accepted]
-    by_source: dict[str, list[int]] = field(default_factory=dict)
+    # per drafter (Proposal.drafter: ngram, suffix, head, ...): [proposals sent, accepted]
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
 
-    def add_round(self, proposed: int, accepted: int, timing: RoundTiming, source: str = "draft") -> None:
-        """Count one verified round: ``proposed`` proposals sent (by ``source``), the first ``accepted`` kept."""
+    def add_round(self, proposed: int, accepted: int, timing: RoundTiming, drafter: str = "draft") -> None:
+        """Count one verified round: ``proposed`` proposals sent (by ``drafter``), the first ``accepted`` kept."""
         self.rounds += 1
         if proposed:
-            tally = self.by_source.setdefault(source, [0, 0])
+            tally = self.by_drafter.setdefault(drafter, [0, 0])
             tally[0] += proposed
             tally[1] += accepted
         self.proposed += proposed

@@ -1,6 +1,6 @@
 """Training signal for drafts: sequences with the target's features and distributions at every position.
 
-Four sources (arXiv 2310.07177, section 4.1; no gradient ever flows through the sampling):
+Four sampling modes (arXiv 2310.07177, section 4.1; no gradient ever flows through the sampling):
 
 - ``teacher``: the target's own continuations (greedy, or sampled at ``temperature``). This is
   exactly what the draft will be asked to predict when serving.
@@ -13,7 +13,7 @@ Generation is batched (left-padded rows sharing one target forward per step, so 
 matrix-matrix products instead of matrix-vector ones). Every position ``t`` stores the target's
 post-norm hidden state ``f_t`` and its top-K log-probabilities for the token at ``t + 1``: all a
 feature head (or any draft) needs to distil, with no second pass. Results are cached on disk,
-keyed by the target, the queries, the source and its settings.
+keyed by the target, the queries, the sampling mode and its settings.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from onlinespec.data.sources import Query
 from onlinespec.models import cache_dir
 from onlinespec.tokens import encode_prompt, eos_token_ids
 
-SOURCES = ("teacher", "student", "mixed", "fixed")
+SAMPLING_MODES = ("teacher", "student", "mixed", "fixed")
 
 
 @dataclass(frozen=True)
 class SignalConfig:
-    source: str = "teacher"
+    sampling: str = "teacher"
     max_new_tokens: int = 128
     max_prompt_tokens: int = 256  # longer prompts keep their last tokens
     temperature: float = 0.0  # 0: greedy (the target's own greedy outputs)
@@ -51,8 +51,8 @@ class SignalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"unknown training-signal source {self.source!r}: use one of {SOURCES}")
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"unknown training-signal sampling mode {self.sampling!r}: use one of {SAMPLING_MODES}")
         if self.mix_unit not in ("token", "request"):
             raise ValueError(f"mix_unit must be 'token' or 'request', got {self.mix_unit!r}")
         if not 0.0 <= self.mix_ratio <= 1.0:
@@ -155,9 +155,9 @@ class Signal:
 
 
 def signal_cache_path(target_name: str, queries: Sequence[Query], config: SignalConfig, student_tag: str | None = None) -> Path:
-    key = json.dumps([target_name, [q.id for q in queries], asdict(config), student_tag if config.source in ("student", "mixed") else None])
+    key = json.dumps([target_name, [q.id for q in queries], asdict(config), student_tag if config.sampling in ("student", "mixed") else None])
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_dir() / "signals" / f"{config.source}-{digest}.safetensors"
+    return cache_dir() / "signals" / f"{config.sampling}-{digest}.safetensors"
 
 
 def build_signal(
@@ -175,8 +175,8 @@ def build_signal(
     ``student``: a :class:`~onlinespec.decoding.feature_head.FeatureHead` (needed by ``student`` and
     ``mixed``); ``student_tag`` identifies its weights in the cache key.
     """
-    if config.source in ("student", "mixed") and student is None:
-        raise ValueError(f"the {config.source!r} signal needs a student draft to sample from")
+    if config.sampling in ("student", "mixed") and student is None:
+        raise ValueError(f"the {config.sampling!r} signal needs a student draft to sample from")
     if not queries:
         raise ValueError("no queries to build a training signal from")
     path = signal_cache_path(cache_as, queries, config, student_tag) if cache_as else None
@@ -184,7 +184,7 @@ def build_signal(
         return Signal.load(path)
     generator = torch.Generator().manual_seed(config.seed)
     parts = []
-    columns = [TextColumn(f"signal [{config.source}]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
+    columns = [TextColumn(f"signal [{config.sampling}]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("", total=len(queries), info="")
         made = 0
@@ -216,7 +216,7 @@ def _generate_batch(target, tokenizer, queries: list[Query], config: SignalConfi
     hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
     features = [[hidden[r, width - len(p) + t] for t in range(len(p))] for r, p in enumerate(prompts)]
     tokens = [list(p) for p in prompts]
-    generate = config.source != "fixed" and config.max_new_tokens > 0
+    generate = config.sampling != "fixed" and config.max_new_tokens > 0
     from_student_row = torch.rand(rows, generator=generator) < config.mix_ratio
     done = [not generate] * rows
     last = hidden[:, -1]
@@ -224,9 +224,9 @@ def _generate_batch(target, tokenizer, queries: list[Query], config: SignalConfi
     for _ in range(config.max_new_tokens if generate else 0):
         logits = head(last).float()
         choice = _choose(logits, config.temperature, generator)
-        if config.source in ("student", "mixed"):
+        if config.sampling in ("student", "mixed"):
             student_pick = student.vocab_ids[_choose(student.logits(student.step(prev.float(), torch.tensor([t[-1] for t in tokens]))).float(), config.temperature, generator)]
-            use = torch.ones(rows, dtype=torch.bool) if config.source == "student" else (
+            use = torch.ones(rows, dtype=torch.bool) if config.sampling == "student" else (
                 from_student_row if config.mix_unit == "request" else torch.rand(rows, generator=generator) < config.mix_ratio
             )
             choice = torch.where(use, student_pick, choice)

@@ -72,8 +72,8 @@ def domain_queries(domain: str, n: int, offset: int = 0) -> list[Query]:
 
 def run_signal(target: LoadedModel, head: FeatureHead, head_tag: str, run: DistillRun, progress: bool = True) -> Signal:
     queries = domain_queries(run.domain, run.queries, run.offset)
-    source = {"ground-truth": "fixed"}.get(run.signal, run.signal)
-    config = SignalConfig(source=source, max_new_tokens=run.max_new_tokens, mix_ratio=run.mix_ratio, batch_size=48, seed=run.seed)
+    sampling = {"ground-truth": "fixed"}.get(run.signal, run.signal)
+    config = SignalConfig(sampling=sampling, max_new_tokens=run.max_new_tokens, mix_ratio=run.mix_ratio, batch_size=48, seed=run.seed)
     return build_signal(target.model, target.tokenizer, queries, config, student=head, cache_as=signal_key(target), student_tag=head_tag, progress=progress)
 
 

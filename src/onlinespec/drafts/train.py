@@ -134,7 +134,7 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = CHAIN_DEPTH, 
 @torch.inference_mode()
 def replay_acceptance(
     head: FeatureHead, signal: Signal, k: int, batch: int = 4096,
-    ngram: tuple[int, int] | None = None, by_source: dict[str, list[int]] | None = None,
+    ngram: tuple[int, int] | None = None, by_drafter: dict[str, list[int]] | None = None,
 ) -> list[tuple[int, int]]:
     """Per sequence, ``(accepted, judged)``: what greedy speculative decoding with ``head`` proposing
     ``k`` tokens a round accepts over ``signal``'s generated text, without running the target.
@@ -150,7 +150,7 @@ def replay_acceptance(
 
     ``ngram=(max_ngram, min_ngram)`` replays the hybrid proposer instead: a round whose context
     ends in an n-gram seen earlier proposes what followed it, the head proposes the others.
-    ``by_source``, when given, gains ``[accepted, judged]`` per source (``ngram`` / ``head``).
+    ``by_drafter``, when given, gains ``[accepted, judged]`` per drafter (``ngram`` / ``head``).
     """
     task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
     correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
@@ -161,7 +161,7 @@ def replay_acceptance(
     # leading[t, m - 1]: how many of the first m steps from start t are accepted
     leading = torch.cumprod(correct.int(), 1).cumsum(1)
     ids = signal.ids.cpu().numpy()
-    tally = by_source if by_source is not None else {}
+    tally = by_drafter if by_drafter is not None else {}
     out = []
     for i in range(len(signal)):
         begin, end = int(signal.starts[i]), int(signal.starts[i + 1])
@@ -174,12 +174,12 @@ def replay_acceptance(
                 continue
             copied = lookup(ids[begin:p], proposed, *ngram) if ngram else []
             if copied:
-                source, proposed = "ngram", len(copied)
+                drafter, proposed = "ngram", len(copied)
                 n = int(np.cumprod(np.asarray(copied) == ids[p: p + proposed]).sum())
             else:
-                source, n = "head", int(leading[p - 2, proposed - 1])
+                drafter, n = "head", int(leading[p - 2, proposed - 1])
             judged_now = min(n + 1, proposed)  # a fully accepted round judges no extra (bonus) token
-            counts = tally.setdefault(source, [0, 0])
+            counts = tally.setdefault(drafter, [0, 0])
             counts[0], counts[1] = counts[0] + n, counts[1] + judged_now
             accepted, judged = accepted + n, judged + judged_now
             p += n + 1

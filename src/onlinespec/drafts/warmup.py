@@ -71,7 +71,7 @@ def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress
     """The teacher-sampled warm-up signal (built once per target and recipe, then read from the cache)."""
     greedy, sampled, extra = warmup_queries(data)
     base = SignalConfig(
-        source="teacher", max_new_tokens=data.max_new_tokens, max_prompt_tokens=data.max_prompt_tokens,
+        sampling="teacher", max_new_tokens=data.max_new_tokens, max_prompt_tokens=data.max_prompt_tokens,
         batch_size=data.batch_size, seed=data.seed,
     )
     key = signal_key(target)
@@ -87,7 +87,7 @@ def warmup_signal(target: LoadedModel, data: WarmupData = WarmupData(), progress
 def heldout_signal(target: LoadedModel, per_domain: int = 20, max_new_tokens: int = 64, progress: bool = True) -> Signal:
     """The target's greedy answers to held-out prompts (the bench's prompts), for evaluation."""
     queries = packaged_prompts(3 * per_domain, ("chat", "code", "math"), seed=0, split="heldout")
-    config = SignalConfig(source="teacher", max_new_tokens=max_new_tokens, batch_size=30)
+    config = SignalConfig(sampling="teacher", max_new_tokens=max_new_tokens, batch_size=30)
     return build_signal(target.model, target.tokenizer, queries, config, cache_as=signal_key(target), progress=progress)
 
 

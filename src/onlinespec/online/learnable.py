@@ -41,8 +41,8 @@ class LearnableDraft(Protocol):
     def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig) -> dict[str, float]:
         """loss, agreement and alpha on held-out ``records`` (the gate's figures)."""
 
-    def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-        """Load published weights strictly (a ValueError if they do not fit)."""
+    def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
+        """Load published weights strictly (a ValueError, naming ``label``, if they do not fit)."""
 
     def adapt(self, model: torch.nn.Module, records: Sequence[DistillRecord]) -> None:
         """Fit a private copy's fixed choices to the traffic in ``records`` before it trains."""
@@ -52,8 +52,8 @@ class LearnableDraft(Protocol):
 
 
 class _Strict:
-    def load(self, model, state, source):
-        load_weights(model, state, source)
+    def load(self, model, state, label):
+        load_weights(model, state, label)
 
     def adapt(self, model, records):
         pass

@@ -39,7 +39,7 @@ from onlinespec.distill.loop import run_steps
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import LearnableDraft, learnable
-from onlinespec.online.recorder import POSITION_POLICIES, SOURCES, records_from_generation
+from onlinespec.online.recorder import POSITION_POLICIES, SAMPLING_MODES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.turns import EngineTurns
 from onlinespec.storage import kill_point
@@ -74,7 +74,7 @@ class LearnerConfig:
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
     # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
     # worse); newest: the newest share of all records, judged pooled
-    source: str = "teacher"  # sampling source: teacher | student | mixed (recorder)
+    sampling: str = "teacher"  # sampling mode of the training signal: teacher | student | mixed (recorder)
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
     priority: str = "low"  # low: nice 19 (the OS runs the learner mostly on CPU time serving leaves); idle:
     # SCHED_IDLE (a serving thread that wakes takes the core at once); normal (see lower_priority)
@@ -96,8 +96,8 @@ class LearnerConfig:
             raise ValueError("batch_size, chain_depth and max_failures must be >= 1, keep_versions >= 0")
         if self.interval_unit not in UNITS:
             raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
-        if self.source not in SOURCES:
-            raise ValueError(f"unknown sampling source {self.source!r}: use one of {SOURCES}")
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"unknown sampling mode {self.sampling!r}: use one of {SAMPLING_MODES}")
         if self.gate_by not in ("domain", "newest"):
             raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
         if self.priority not in PRIORITIES:
@@ -225,9 +225,9 @@ class OnlineLearner:
         return self.observe_records(self.records(generation, domain, request_id), len(generation.token_ids), start)
 
     def records(self, generation: Generation, domain: str = "default", request_id: str = "") -> list:
-        """A served request's training records, by this learner's position policy and source."""
+        """A served request's training records, by this learner's position policy and sampling mode."""
         config = self.config
-        return records_from_generation(generation, config.position_policy, config.source, domain, request_id)
+        return records_from_generation(generation, config.position_policy, config.sampling, domain, request_id)
 
     def observe_records(self, records: list, new_tokens: int, start: bool = True) -> bool:
         """Store a served request's records (:meth:`records`) and count it: see :meth:`observe`."""

@@ -21,7 +21,7 @@ positions, so when the trace carries the target's features the record keeps EVER
 (with the feature at ``t - 1`` of each and a flag for the rejection rows); the position policy
 is then applied by the learner when it picks the chains' starting points.
 
-Sampling source (arXiv 2310.07177, section 4.1, honoured online, unlike the prototype):
+Sampling mode (arXiv 2310.07177, section 4.1, honoured online, unlike the prototype):
 - ``"teacher"``: rows whose context is the served text, which the target wrote (above).
 - ``"student"``: rows whose context is the DRAFT's text. A round's verification also scored the
   proposals after its first rejection: row ``j > n_accepted`` is the target's distribution given
@@ -41,7 +41,7 @@ from onlinespec.distill.records import DistillRecord
 
 POSITION_POLICIES = ("rejected", "verified")
 STUDENT_MARK = "#student@"  # a student record's id: <request id>#student@<position>
-SOURCES = ("teacher", "student", "mixed")
+SAMPLING_MODES = ("teacher", "student", "mixed")
 
 
 def record_from_generation(
@@ -79,16 +79,16 @@ def record_from_generation(
 
 
 def records_from_generation(
-    generation: Generation, policy: str = "rejected", source: str = "teacher", domain: str = "default", request_id: str = ""
+    generation: Generation, policy: str = "rejected", sampling: str = "teacher", domain: str = "default", request_id: str = ""
 ) -> list[DistillRecord]:
-    """The records of one traced request for a sampling ``source`` (see the module docstring)."""
-    if source not in SOURCES:
-        raise ValueError(f"unknown sampling source {source!r}: use one of {SOURCES}")
+    """The records of one traced request for a ``sampling`` mode (see the module docstring)."""
+    if sampling not in SAMPLING_MODES:
+        raise ValueError(f"unknown sampling mode {sampling!r}: use one of {SAMPLING_MODES}")
     records = []
-    if source in ("teacher", "mixed"):
+    if sampling in ("teacher", "mixed"):
         record = record_from_generation(generation, policy, domain, request_id)
         records += [record] if record is not None else []
-    if source in ("student", "mixed"):
+    if sampling in ("student", "mixed"):
         records += student_records(generation, domain, request_id)
     return records
 

@@ -239,7 +239,7 @@ class RemoteLearner:
         return self._state["governance"]
 
     def records(self, generation, domain: str = "default", request_id: str = "") -> list:
-        return records_from_generation(generation, self.config.position_policy, self.config.source, domain, request_id)
+        return records_from_generation(generation, self.config.position_policy, self.config.sampling, domain, request_id)
 
     def observe(self, generation, domain: str = "default", request_id: str = "", train: bool = True, start: bool = False) -> bool:
         return train and self.observe_records(self.records(generation, domain, request_id), len(generation.token_ids))

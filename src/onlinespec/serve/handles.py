@@ -100,7 +100,7 @@ class Served:
         spec = {**speculative_decoding(self.stats), "draft": self.draft, "draft_version": self.draft_version,
                 "draft_versions": self.draft_versions}
         if not self.details:  # which tokens the suffix index proposed says what earlier requests held
-            spec.pop("by_source")
+            spec.pop("by_drafter")
         routing = {"cluster": self.cluster, "learning_draft": self.home} if self.cluster is not None else {}
         if self.replica is not None:
             routing["replica"] = self.replica

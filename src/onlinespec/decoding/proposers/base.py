@@ -36,7 +36,7 @@ class Proposal:
     # The draft's own probability of each proposal (its confidence), when it has one; the
     # adaptive-k policy calibrates it against measured acceptance.
     confidences: list[float] | None = None
-    source: str = "draft"  # which drafter made it (a hybrid proposer mixes several)
+    drafter: str = "draft"  # which drafter made it (a hybrid proposer mixes several)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -62,7 +62,7 @@ class Proposer:
     """The base of every drafter: how the engine calls it, and what it declares it can do."""
 
     name: str = "draft"  # for logs, metrics and the registry (each drafter names itself)
-    source: str = "draft"  # the ``Proposal.source`` of what it drafts itself
+    drafter: str = "draft"  # the ``Proposal.drafter`` of what it drafts itself
     # Wants the target's post-norm hidden state at each request's last verified position: the
     # engine then keeps the batched forward's hidden states and calls :meth:`observe`.
     uses_features: bool = False

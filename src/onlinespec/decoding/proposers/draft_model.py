@@ -61,7 +61,7 @@ class DraftModelProposer(PerRequestProposer, SwappableDraft):
                 rows.append(probs)
             tokens.append(token)
             pending = [token]
-        return Proposal(tokens, torch.stack(rows) if rows else None, forward, source=self.source)
+        return Proposal(tokens, torch.stack(rows) if rows else None, forward, drafter=self.drafter)
 
 
 def _sync(state: DraftLMState, ids: list[int]) -> list[int]:

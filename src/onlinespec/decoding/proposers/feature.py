@@ -25,7 +25,7 @@ class HeadState:
 
 
 class FeatureHeadProposer(SwappableDraft):
-    source = "head"
+    drafter = "head"
     uses_features = True  # it chains from the target's feature, handed over by observe
 
     def __init__(self, head: FeatureHead, name: str = "feature-head", version: str = "v0") -> None:
@@ -84,5 +84,5 @@ class FeatureHeadProposer(SwappableDraft):
                 restricted = torch.stack(rows[row])
                 probs = restricted.new_zeros(len(restricted), vocab)
                 probs[:, head.vocab_ids] = restricted
-            out[i] = Proposal(tokens[row], probs, seconds, confidences=confidences[row], source=self.source)
+            out[i] = Proposal(tokens[row], probs, seconds, confidences=confidences[row], drafter=self.drafter)
         return out

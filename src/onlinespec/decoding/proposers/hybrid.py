@@ -12,7 +12,7 @@ request's adaptive-k statistics) is at least the learned draft's (from the learn
 measured per-step acceptance); else the learned draft drafts. The choice reads only the text so
 far and past statistics, never a random draw, so sampled output keeps the target's distribution.
 A batch splits: the requests left to the learned draft go to it in one call. The engine's
-adaptive k then judges each source by its own measured acceptance (``Proposal.source``).
+adaptive k then judges each drafter by its own measured acceptance (``Proposal.drafter``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class HybridProposer(SwappableDraft):
         out: list[Proposal | None] = []
         for d in batch:
             free = propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match)
-            if free is not None and free.source == "suffix" and not self._suffix_pays(free, d):
+            if free is not None and free.drafter == "suffix" and not self._suffix_pays(free, d):
                 free = None
             out.append(free)
         rest = [i for i, p in enumerate(out) if p is None]
@@ -80,5 +80,5 @@ class HybridProposer(SwappableDraft):
         # the bins a request's own verdicts calibrate: by confidence when greedy, by step when sampled
         mine = expected_tokens(d.adaptive.estimates(proposal, use_confidence=d.params.greedy), len(proposal))
         k = d.k if self.learned_k is None else min(d.k, self.learned_k)
-        learned = expected_tokens(d.adaptive.source_estimates(self.learned.source, k), k)
+        learned = expected_tokens(d.adaptive.drafter_estimates(self.learned.drafter, k), k)
         return mine >= learned

@@ -15,7 +15,7 @@ from onlinespec.decoding.proposers.base import DraftInput, PerRequestProposer, P
 class NgramProposer(PerRequestProposer):
     """Match the last ``max_ngram`` .. ``min_ngram`` tokens against earlier text of the request."""
 
-    source = "ngram"
+    drafter = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -24,7 +24,7 @@ class NgramProposer(PerRequestProposer):
         self.name = f"ngram:{max_ngram}"
 
     def propose_one(self, d: DraftInput) -> Proposal:
-        return Proposal(tokens=lookup(np.asarray(d.ids), d.k, self.max_ngram, self.min_ngram), source=self.source)
+        return Proposal(tokens=lookup(np.asarray(d.ids), d.k, self.max_ngram, self.min_ngram), drafter=self.drafter)
 
 
 def lookup(ids: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -333,7 +333,7 @@ class SuffixProposer(PerRequestProposer):
     ``min_match``: the shortest suffix match (tokens) the index proposes from.
     """
 
-    source = "suffix"  # and "ngram" for what prompt lookup copies
+    drafter = "suffix"  # and "ngram" for what prompt lookup copies
 
     def __init__(self, index: SuffixIndex | None = None, max_ngram: int = 3, min_ngram: int = 2, min_match: int = 3) -> None:
         self.suffix_index = index or SuffixIndex()
@@ -341,7 +341,7 @@ class SuffixProposer(PerRequestProposer):
         self.name = f"suffix(ngram:{max_ngram})"
 
     def propose_one(self, d: DraftInput) -> Proposal:
-        return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(source=self.source)
+        return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(drafter=self.drafter)
 
 
 def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int, min_ngram: int, min_match: int) -> Proposal | None:
@@ -349,9 +349,9 @@ def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int,
     None when neither matches. Both are point masses: the exact sampler stays lossless."""
     copied = lookup(np.asarray(d.ids), d.k, max_ngram, min_ngram)
     if copied:
-        return Proposal(tokens=copied, source="ngram")
+        return Proposal(tokens=copied, drafter="ngram")
     if index is not None and not d.params.reproducible:  # a seeded request drafts from its own text only
         found = index.match(d.ids, d.k, d.tenant)
         if found is not None and found.match_length >= min_match:
-            return Proposal(tokens=found.tokens, confidences=found.confidences, source="suffix")
+            return Proposal(tokens=found.tokens, confidences=found.confidences, drafter="suffix")
     return None
