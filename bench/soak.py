@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 ALONE_SHARE = 0.25  # of the good requests, those served by the target alone ("draft": "none")
 WARM_S = 300.0  # memory growth is measured from here on (models loaded, caches and buffers filled)
+WINDOW_S = 180.0  # the windows whose median RSS is compared: the first after warm-up, the last
 
 
 def rss_bytes(pid: int) -> int:
@@ -151,6 +153,10 @@ def soak(args) -> dict:
     gaps = divergence_gaps(queries, reference, diverged)
     warm = next((s for s in samples if s["t_s"] >= WARM_S), samples[0])
     last = samples[-1]
+    # One sample can land on either side of a malloc_trim (swings of ~100 MiB): also compare the medians of
+    # the WINDOW_S after warm-up and the last WINDOW_S, which a trend shows and a single swing does not.
+    early = [s["rss_bytes"] for s in samples if WARM_S <= s["t_s"] < WARM_S + WINDOW_S]
+    late = [s["rss_bytes"] for s in samples if s["t_s"] >= last["t_s"] - WINDOW_S]
     return {
         "command": " ".join(["python", *sys.argv]), "machine": machine_info(), "server_args": server_args,
         "minutes": args.minutes, "in_flight": args.in_flight, "bad_share": args.bad_share, "max_tokens": args.max_tokens,
@@ -158,6 +164,8 @@ def soak(args) -> dict:
         "problems": problems[:50], "divergences": gaps,
         "divergences_all_near_ties": all(d["gap"] <= d["near_tie"] for d in gaps), "memory_start_bytes": samples[0]["rss_bytes"], "memory_warm_bytes": warm["rss_bytes"],
         "memory_end_bytes": last["rss_bytes"], "memory_growth_after_warm": last["rss_bytes"] / warm["rss_bytes"] - 1,
+        "memory_growth_median_windows": statistics.median(late) / statistics.median(early or late) - 1, "memory_window_s": WINDOW_S,
+        "memory_peak_bytes": max(s["rss_bytes"] for s in samples),
         "metrics_lines_warm": warm["metrics_lines"], "metrics_lines_end": last["metrics_lines"], "learner_updates": updates,
         "samples": samples,
     }
@@ -197,7 +205,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     axes[0].plot(minutes, [x["rss_bytes"] / 2**20 for x in s])
     axes[0].axvline(WARM_S / 60, color="grey", ls=":", label="warm (growth measured from here)")
-    axes[0].set(title=f"server memory (growth after warm-up {summary['memory_growth_after_warm']:+.1%})", xlabel="minutes", ylabel="RSS, MiB")
+    axes[0].set(title=f"server memory (after warm-up: last sample {summary['memory_growth_after_warm']:+.1%}, window medians {summary['memory_growth_median_windows']:+.1%})", xlabel="minutes", ylabel="RSS, MiB")
     axes[0].legend(fontsize=8)
     axes[1].plot(minutes, [x["metrics_lines"] for x in s])
     axes[1].set(title="/metrics size", xlabel="minutes", ylabel="lines")
