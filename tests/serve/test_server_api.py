@@ -85,6 +85,42 @@ def test_concurrent_clients_each_get_the_target_alones_text(client, model, alone
     assert got == [alone.generate(p, SamplingParams(max_new_tokens=n)).text for p, n in zip(prompts, lengths)]
 
 
+def test_logprobs_echo_choices_and_processors_are_the_target_alones(client, model, alone):
+    """What lm-eval and best-of clients read: each log probability the target alone gives (1e-4),
+    the prompt's with echo, ``n`` choices and several prompts in one request, and vLLM's
+    processors giving the processed target alone's greedy text."""
+    want = alone.generate(MESSAGES, SamplingParams(max_new_tokens=12, logprobs=3))
+    got = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert [c.token for c in content] == [alone.tokenizer.decode([x.token]) for x in want.logprobs]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    streamed = [c for c in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True,
+                                                          stream=True) if c.choices and c.choices[0].logprobs]
+    assert [x.logprob for c in streamed for x in c.choices[0].logprobs.content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+
+    ids = alone.encode("The capital of France is")  # lm-eval's loglikelihood call: token ids, echo, one new token
+    got = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True).choices[0]
+    with torch.inference_mode():
+        forward = alone.target(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert got.logprobs.token_logprobs[0] is None and len(got.logprobs.tokens) == len(ids) + 1
+    assert got.logprobs.token_logprobs[1: len(ids)] == pytest.approx([float(forward[i, t]) for i, t in enumerate(ids[1:])], abs=1e-4)
+    assert got.logprobs.token_logprobs[-1] == pytest.approx(float(forward[-1].max()), abs=1e-4)
+    assert got.text == alone.tokenizer.decode(ids) + alone.generate(ids, SamplingParams(max_new_tokens=1)).text
+
+    three = client.completions.create(model=model, prompt=["Roses are", "Violets are"], max_tokens=8, temperature=0.9, seed=5, n=3)
+    assert [c.index for c in three.choices] == list(range(6)) and three.usage.prompt_tokens == len(alone.encode("Roses are")) + len(alone.encode("Violets are"))
+    again = client.completions.create(model=model, prompt=["Roses are", "Violets are"], max_tokens=8, temperature=0.9, seed=5, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]
+    assert len({c.text for c in three.choices[:3]}) > 1  # each choice its own draw
+
+    processed = dict(repetition_penalty=1.5, frequency_penalty=0.4, min_tokens=6, logit_bias={"13": 3.0})
+    want = alone.generate("Count: one, two,", SamplingParams(max_new_tokens=16, repetition_penalty=1.5, frequency_penalty=0.4,
+                                                             min_tokens=6, logit_bias=((13, 3.0),)))
+    got = client.completions.create(model=model, prompt="Count: one, two,", max_tokens=16, temperature=0, extra_body=processed)
+    assert got.choices[0].text == want.text and want.text != alone.generate("Count: one, two,", SamplingParams(max_new_tokens=16)).text
+
+
 def test_a_seeded_sampled_request_is_reproducible_and_train_false_is_never_stored(client, model, server):
     ask = lambda seed: client.completions.create(  # noqa: E731
         model=model, prompt="Roses are", max_tokens=16, temperature=0.9, top_p=0.95, seed=seed,

@@ -41,6 +41,8 @@ from transformers import PreTrainedModel
 
 from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
 from onlinespec.decoding.cost_curve import CostCurve
+from onlinespec.decoding.logprobs import score
+from onlinespec.decoding.processors import apply_processors
 from onlinespec.decoding.proposers.base import DraftInput, Proposal, Proposer
 from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
 from onlinespec.decoding.runners import TargetRunner
@@ -179,25 +181,38 @@ class SpeculativeEngine:
         for r in active:
             if r.finished or id(r) in running:
                 continue
+            if budget is None and r.params.prompt_logprobs is not None:  # scored chunks stay within prefill_chunk
+                while not r.finished and len(r.ids) - r.prefilled > self.prefill_chunk:
+                    self._prefill(r, r.ids[r.prefilled: r.prefilled + self.prefill_chunk], report)
+                if r.finished:
+                    continue
             rest = len(r.ids) - r.prefilled
             if budget is None or rest <= budget:
                 joining.append(r)
                 budget = None if budget is None else budget - rest
                 continue
-            if budget > 0:  # a chunk that does not reach the end of the prompt: no logits needed
-                chunk = r.ids[r.prefilled: r.prefilled + budget]
-                tick = time.perf_counter()
-                try:
-                    self.runner.prefill(r, chunk)
-                except Exception as err:
-                    self._failed(r, err, report)
-                    self.runner.release([r])
-                    continue
-                report.prefill_seconds += time.perf_counter() - tick
-                r.prefilled += len(chunk)
-                report.prefill_tokens += len(chunk)
+            if budget > 0:  # a chunk that does not reach the end of the prompt
+                self._prefill(r, r.ids[r.prefilled: r.prefilled + budget], report)
                 budget = 0
         return joining
+
+    def _prefill(self, r: RequestState, chunk: list[int], report: StepReport) -> None:
+        """One prompt chunk into the request's cache: no logits needed, unless the request asked
+        for its prompt's log probabilities (then every position's, scored at once)."""
+        tick = time.perf_counter()
+        try:
+            if r.params.prompt_logprobs is not None:
+                logits, _ = self.runner.forward_alone(r, chunk, len(chunk))
+                _score_prompt(r, logits, r.prefilled)
+            else:
+                self.runner.prefill(r, chunk)
+        except Exception as err:
+            self._failed(r, err, report)
+            self.runner.release([r])
+            return
+        report.prefill_seconds += time.perf_counter() - tick
+        r.prefilled += len(chunk)
+        report.prefill_tokens += len(chunk)
 
     def _verify_batch(self, decoding: list[RequestState], proposals: list[Proposal], report: StepReport) -> None:
         """ONE target forward over every running request's block (its last token and its
@@ -244,8 +259,12 @@ class SpeculativeEngine:
         """One joining request's forward: the ``rest`` of its text not cached yet and its
         proposals; return how many it accepted."""
         cached = len(r.ids)
+        scored = len(rest) - 1 if r.params.prompt_logprobs is not None and cached == len(r.prompt_ids) else 0
         tick = time.perf_counter()
-        logits, hidden = self.runner.forward_alone(r, rest + proposal.tokens, len(proposal) + 1)
+        logits, hidden = self.runner.forward_alone(r, rest + proposal.tokens, scored + len(proposal) + 1)
+        if scored:  # the prompt's last positions score its last tokens; the rest is the round's block
+            _score_prompt(r, logits[:scored], r.prefilled)
+            logits, hidden = logits[scored:], hidden[scored:] if hidden is not None else None
         if hidden is not None:
             if cached == len(r.prompt_ids):
                 r.add_prompt_states(hidden[:1])  # the prompt's last position
@@ -338,6 +357,8 @@ class SpeculativeEngine:
         new = r.stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])
         r.ids.extend(new)
         r.new_tokens = new
+        if r.params.logprobs is not None:  # row i scores the round's i-th token: the target's own, raw
+            r.logprobs.extend(score(logits, new, r.params.logprobs))
         stats = r.stats
         stats.add_round(n, verdict.n_accepted, timing, proposal.drafter)
         stats.new_tokens = len(r.stop.generated)
@@ -362,9 +383,19 @@ def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdic
     if not logits.max() < float("inf"):  # NaN (max propagates it) or +inf: a broken model, never emit a token from it
         raise FloatingPointError("the target's logits hold NaN or +inf (broken weights, or an overflow in this dtype): "
                                  "no token was emitted from them; check the model, or serve it in float32")
+    if r.params.processed:  # each row with its own history: the output so far and the proposals before it
+        out = r.stop.generated
+        logits = apply_processors(logits, r.params, r.prompt_ids, out + proposal.tokens, len(out), r.stop.held_back)
     if r.params.greedy:
         return verify_greedy(proposal.tokens, logits)
     return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, r.params), r.generator)
+
+
+def _score_prompt(r: RequestState, logits: torch.Tensor, start: int) -> None:
+    """Rows for positions ``start..`` of the prompt score its tokens at ``start + 1..`` (once:
+    a request recomputed after a failed step does not score its prompt again)."""
+    if len(r.prompt_logprobs) == start + 1:
+        r.prompt_logprobs.extend(score(logits, r.prompt_ids[start + 1: start + 1 + len(logits)], r.params.prompt_logprobs))
 
 
 def _uses_features(r: RequestState) -> bool:

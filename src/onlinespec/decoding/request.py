@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.stopping import StopChecker
@@ -154,6 +155,8 @@ class Generation:
     prompt_ids: list[int]
     stats: RequestStats
     trace: list[RoundTrace] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when SamplingParams.prompt_logprobs asked
 
 
 @dataclass
@@ -188,10 +191,14 @@ class RequestState:
     prompt_embedding: torch.Tensor | None = None  # [H], once the prompt is prefilled (see add_prompt_states)
     error: str | None = None  # what failed this request alone inside a step (it is finished; the others go on)
     tenant: str = ""  # whose earlier requests its suffix index drafts from ("": the shared ones)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when params.logprobs is set
+    # per prompt token when params.prompt_logprobs is set (None for the first, which nothing scores)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None and self.prompt_ids else []
         if not self.params.greedy:  # a private generator: never touch torch's global random state
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed) if self.params.seed is not None else self.generator.seed()

@@ -144,7 +144,8 @@ class SpeculativeDecoder:
 
     def _generation(self, r: RequestState) -> Generation:
         text = r.stop.text() if self.tokenizer is not None else ""
-        return Generation(text, list(r.stop.generated), r.prompt_ids, r.stats, r.trace or [])
+        return Generation(text, list(r.stop.generated), r.prompt_ids, r.stats, r.trace or [],
+                          r.logprobs if r.params.logprobs is not None else None, r.prompt_logprobs or None)
 
     def encode(self, prompt: Prompt) -> list[int]:
         needs_tokenizer = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))

@@ -1,4 +1,4 @@
-"""When to stop a request: EOS, stop strings, max_new_tokens, without overshooting any of them.
+"""When to stop a request: EOS, stop token ids, stop strings, max_new_tokens, without overshooting any of them.
 
 A speculative round emits several tokens at once; :meth:`StopChecker.clip` cuts a round's tokens
 at the first stop condition, so the output is the same as when tokens come one at a time.
@@ -26,6 +26,11 @@ class StopChecker:
             self.eos_token_ids = frozenset()
 
     @property
+    def held_back(self) -> frozenset[int]:
+        """The tokens ``min_tokens`` holds back: EOS (unless ignored) and the stop token ids."""
+        return self.eos_token_ids | frozenset(self.params.stop_token_ids)
+
+    @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
@@ -37,7 +42,9 @@ class StopChecker:
             self.generated.append(token)
             if token in self.eos_token_ids:
                 self.finish_reason = "eos"
-            elif self.params.stop_strings and self._stop_string_at_end():
+            elif token in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.params.stop_strings and len(self.generated) >= self.params.min_tokens and self._stop_string_at_end():
                 self.finish_reason = "stop"
             elif self.remaining == 0:
                 self.finish_reason = "length"

@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import ray
@@ -129,6 +130,13 @@ class RayCore:
     @property
     def ready(self) -> bool:
         return self.status == "ready" and any(r.ready for r in self.replicas)
+
+    @cached_property
+    def tokenizer(self):
+        """The target's tokenizer, for what the front says about tokens (log probabilities, echo)."""
+        from onlinespec.models import load_tokenizer
+
+        return load_tokenizer(self.config.target)
 
     @property
     def namespace(self) -> str:

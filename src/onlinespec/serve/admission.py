@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 from onlinespec.decoding.engine import SpeculativeEngine
+from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.pool import Draft
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.config import CoreConfig
@@ -27,15 +29,31 @@ def encode(tokenizer, vocab_size: int, prompt: Prompt) -> list[int]:
         raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
 
 
-def token_budget(engine: SpeculativeEngine, prompt_tokens: int, requested: int | None, default: int) -> int:
-    """The request's budget: what it asked, or ``default``, within the context left; a prompt
-    that leaves no room, or a request for more than is left, is a clear error."""
+def admit_params(engine: SpeculativeEngine, params: SamplingParams, prompt_tokens: int, requested: int | None,
+                 default: int | None, vocab_size: int) -> SamplingParams:
+    """``params`` with the request's token budget (:func:`token_budget`), once the token ids it
+    names are in the vocabulary and ``min_tokens`` is within the budget."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        past = [t for t in ids if t >= vocab_size]
+        if past:
+            raise ServeError(f"{name}: token id {past[0]} is past the vocabulary (ids are 0..{vocab_size - 1})", param=name)
+    budget = token_budget(engine, prompt_tokens, requested, default)
+    if params.min_tokens > budget:
+        raise ServeError(f"min_tokens = {params.min_tokens} is more than the {budget} new tokens this request may have "
+                         f"(max_tokens, or the context left)", param="min_tokens")
+    return replace(params, max_new_tokens=budget)
+
+
+def token_budget(engine: SpeculativeEngine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
+    """The request's budget: what it asked, or ``default`` (None: all the context left, as vLLM),
+    within the context left; a prompt that leaves no room, or a request for more than is left,
+    is a clear error."""
     room = engine.room(prompt_tokens)
     if room < 1:
         raise ServeError(f"the prompt has {prompt_tokens} tokens: the model's context is {engine.context} tokens, "
                          f"so a prompt may have at most {engine.context - engine.k - 2}", param="messages", code="context_length_exceeded")
     if requested is None:
-        return min(room, default)
+        return room if default is None else min(room, default)
     try:
         engine.check_fits(prompt_tokens, requested, "max_tokens")
     except ValueError as err:

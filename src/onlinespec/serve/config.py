@@ -36,7 +36,7 @@ class CoreConfig:
     max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
     shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
     speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
-    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
+    default_max_tokens: int | None = None  # when a request gives no max_tokens (None: the context left, as vLLM)
     request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -50,7 +50,7 @@ class CoreConfig:
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
-        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or self.default_max_tokens < 1 or self.max_domains < 1:
+        if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or (self.default_max_tokens or 1) < 1 or self.max_domains < 1:
             raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")

@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 
 from onlinespec.cpu import ENGINE_THREAD, name_thread
@@ -51,7 +50,7 @@ from onlinespec.factory import engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
-from onlinespec.serve.admission import Domains, encode, named_draft, queue_full, token_budget
+from onlinespec.serve.admission import Domains, admit_params, encode, named_draft, queue_full
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
@@ -248,9 +247,9 @@ class ServingCore:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
         domain = self._domains.admit(domain)
-        ids = encode(self.tokenizer, min(self.engine.runner.vocab_size, len(self.tokenizer)), prompt)
-        params = params or SamplingParams()
-        params = replace(params, max_new_tokens=token_budget(self.engine, len(ids), max_tokens, self.config.default_max_tokens))
+        vocab = min(self.engine.runner.vocab_size, len(self.tokenizer))
+        ids = encode(self.tokenizer, vocab, prompt)
+        params = admit_params(self.engine, params or SamplingParams(), len(ids), max_tokens, self.config.default_max_tokens, vocab)
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
@@ -377,7 +376,7 @@ class ServingCore:
             handle.last_emit = now
         if handle.stream and (state.new_tokens or state.finished):
             delta, handle.emitted = text_delta(state, handle.emitted)
-            handle.emit(Delta(delta, list(state.new_tokens)))
+            handle.emit(Delta(delta, list(state.new_tokens), state.logprobs[len(state.logprobs) - len(state.new_tokens):] or None))
         if state.finished:
             with self._lock:
                 self._handles.pop(state.id, None)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.decoding.request import RequestState, RequestStats
 from onlinespec.metrics import speculative_decoding
 from onlinespec.online.pool import Draft
@@ -89,6 +90,9 @@ class Served:
     home: str | None = None  # content routing: the draft that learnt from it
     replica: str | None = None  # the serving replica (onlinespec.scale), when there are several
     details: bool = False  # metrics name which drafter proposed what (CoreConfig.speculation_details)
+    prompt_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first), when asked
 
     @property
     def completion_tokens(self) -> int:
@@ -113,6 +117,7 @@ class Served:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when the request asked
 
 
 class Events:

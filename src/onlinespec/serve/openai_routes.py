@@ -12,15 +12,17 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.safety import shown
 from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import Delta, Events, NotFound, Served, ServeError
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
+from onlinespec.serve.shapes import Shape, TokenText
 from onlinespec.serve.web import Access, ServerSettings, error_response, read_body
 
 POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) client is still there
@@ -48,7 +50,8 @@ def openai_router(core: ServingCore, settings: ServerSettings, access: Access) -
 
 
 async def complete(core: ServingCore, settings: ServerSettings, access: Access, request: Request, chat: bool):
-    """Submit the request to the core; answer with its SSE stream, or wait for its end."""
+    """Submit the request's choices to the core (one request each: ``n`` per prompt); answer with
+    their SSE stream, or wait for their end."""
     tenant = access.tenant(request)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     if len(request_id) > 128 or not request_id.isprintable():
@@ -57,7 +60,8 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
     if body.model != settings.model_name:
         raise NotFound(f"model {shown(body.model)} is not served here: use {settings.model_name!r} (GET /v1/models)",
                        param="model", code="model_not_found")
-    prompt = body.prompt() if chat else body.text()
+    prompts = [body.prompt()] if chat else body.prompts()
+    body.choices(len(prompts))
     params, max_tokens = body.sampling(), body.limits()
     loop, wake = asyncio.get_running_loop(), asyncio.Event()
 
@@ -67,9 +71,20 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
 
-    handle = await asyncio.to_thread(core.submit, prompt, params, body.domain or "default", body.train, body.draft,
-                                     request_id, max_tokens, notify, body.stream, tenant)
-    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name)
+    handles: list[Events] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            for j in range(body.n):  # a prompt's first choice alone is stored for learning: the others add nothing new
+                index = i * body.n + j
+                handles.append(await asyncio.to_thread(
+                    core.submit, prompt, choice_params(params, j), body.domain or "default", body.train and j == 0, body.draft,
+                    request_id if index == 0 else f"{request_id}-{index}", max_tokens, notify, body.stream, tenant))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name,
+                  TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n)
     headers = {"X-Request-Id": request_id}
     ignored = body.ignored_fields()
     if ignored:  # unknown fields that change nothing: said, not silently dropped
@@ -77,55 +92,77 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
         headers["X-Ignored-Fields"] = ", ".join(names)[:1000]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream(handle, wake, shape, usage), media_type="text/event-stream", headers=headers)
-    return await answer(handle, wake, shape, request, headers)
+        return StreamingResponse(stream(handles, wake, shape, usage), media_type="text/event-stream", headers=headers)
+    return await answer(handles, wake, shape, request, headers)
 
 
-async def answer(handle: Events, wake: asyncio.Event, shape: Shape, request: Request, headers: dict):
-    """Wait for the request's end and answer it whole; a client gone meanwhile cancels it (499)."""
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The ``j``-th choice of a prompt: a seeded request's choices draw from seeds seed, seed + 1, ..."""
+    return params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % (1 << 64))
+
+
+async def answer(handles: list[Events], wake: asyncio.Event, shape: Shape, request: Request, headers: dict):
+    """Wait for every choice's end and answer them whole; a client gone meanwhile cancels them (499)."""
+    served: list[Served | None] = [None] * len(handles)
     try:
         while True:
-            for event in drain(handle):
-                if isinstance(event, ServeError):
-                    return error_response(event, headers["X-Request-Id"])
-                if isinstance(event, Served):
-                    return JSONResponse(shape.response(event), headers=headers)
+            for i, handle in enumerate(handles):
+                for event in drain(handle):
+                    if isinstance(event, ServeError):
+                        cancel(handles)
+                        return error_response(event, headers["X-Request-Id"])
+                    if isinstance(event, Served):
+                        served[i] = event
+            if all(s is not None for s in served):
+                return JSONResponse(shape.response(served), headers=headers)
             try:
                 await asyncio.wait_for(wake.wait(), POLL_DISCONNECT)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    handle.cancel()
+                    cancel(handles)
                     return Response(status_code=499)
             wake.clear()
     except asyncio.CancelledError:
-        handle.cancel()
+        cancel(handles)
         raise
 
 
-async def stream(handle: Events, wake: asyncio.Event, shape: Shape, usage: bool):
-    """SSE events: a first chunk with the role, one per verified round, the last with the
-    finish reason and the speculation figures, the usage chunk when asked, then [DONE]."""
+async def stream(handles: list[Events], wake: asyncio.Event, shape: Shape, usage: bool):
+    """SSE events: per choice, a first chunk with the role (chat), one per verified round, the
+    last with the finish reason and the speculation figures; the usage chunk when asked; [DONE]."""
+    served: list[Served | None] = [None] * len(handles)
+    offsets = [0] * len(handles)  # text_offset of each choice's next token (completions' log probabilities)
     try:
         if shape.chat:
-            yield sse(shape.chunk(role=True))
+            for i in range(len(handles)):
+                yield sse(shape.chunk(i, role=True))
         while True:
             wake.clear()
-            for event in drain(handle):
-                if isinstance(event, Delta) and event.text:
-                    yield sse(shape.chunk(text=event.text))
-                elif isinstance(event, ServeError):
-                    yield sse({"error": {"message": event.message, "type": event.kind, "param": event.param, "code": event.code}})
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(event, Served):
-                    yield sse(shape.chunk(finish=event))
-                    if usage:
-                        yield sse(shape.usage_chunk(event))
-                    yield "data: [DONE]\n\n"
-                    return
+            for i, handle in enumerate(handles):
+                for event in drain(handle):
+                    if isinstance(event, Delta) and (event.text or event.logprobs):
+                        yield sse(shape.chunk(i, text=event.text, logprobs=event.logprobs, offset=offsets[i]))
+                        offsets[i] += sum(len(shape.words.text(x.token)) for x in event.logprobs or ())
+                    elif isinstance(event, ServeError):
+                        yield sse({"error": {"message": event.message, "type": event.kind, "param": event.param, "code": event.code}})
+                        yield "data: [DONE]\n\n"
+                        return
+                    elif isinstance(event, Served):
+                        served[i] = event
+                        yield sse(shape.chunk(i, finish=event))
+            if all(s is not None for s in served):
+                if usage:
+                    yield sse(shape.usage_chunk(served))
+                yield "data: [DONE]\n\n"
+                return
             await wake.wait()
     finally:
-        if not handle.done:  # the client went away (or the server is stopping): free the slot
+        cancel(handles)  # the client went away, the server is stopping, or a choice failed: free the slots
+
+
+def cancel(handles: list[Events]) -> None:
+    for handle in handles:
+        if not handle.done:
             handle.cancel()
 
 
@@ -138,41 +175,3 @@ def drain(handle: Events) -> list:
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-@dataclass
-class Shape:
-    """The OpenAI response and chunk shapes of one request."""
-
-    chat: bool
-    id: str
-    created: int
-    model: str
-
-    def _head(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def response(self, served: Served) -> dict:
-        choice = {"index": 0, "finish_reason": served.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": served.text}} if self.chat else {"text": served.text})
-        return {**self._head(False), "choices": [choice], "usage": usage(served), "metrics": served.metrics()}
-
-    def chunk(self, text: str = "", role: bool = False, finish: Served | None = None) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish.finish_reason if finish else None, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish.finish_reason if finish else None, "logprobs": None}
-        out = {**self._head(True), "choices": [choice]}
-        if finish is not None:
-            out["metrics"] = finish.metrics()
-        return out
-
-    def usage_chunk(self, served: Served) -> dict:
-        return {**self._head(True), "choices": [], "usage": usage(served)}
-
-
-def usage(served: Served) -> dict:
-    return {"prompt_tokens": served.prompt_tokens, "completion_tokens": served.completion_tokens,
-            "total_tokens": served.prompt_tokens + served.completion_tokens}

@@ -2,38 +2,47 @@
 
 Status codes (docs/serve.md): a body that is not JSON, or not an object, is 400; a body whose
 fields have the wrong type, a missing field or a value out of range is 422, naming the field; a
-well-formed request we cannot serve as asked (``n`` > 1, options we do not implement, a prompt
-past the context) is 400. Nothing is dropped silently: an option that would change the output
-and that we do not implement is refused, not ignored.
+well-formed request we cannot serve as asked (options we do not implement, a prompt past the
+context, more choices than :data:`MAX_CHOICES`) is 400. Nothing is dropped silently: an option
+that would change the output and that we do not implement is refused, not ignored.
+
+vLLM's sampling extras that are logits processors (``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``top_k: -1``) and OpenAI's penalties and ``logit_bias`` act
+on the target's distribution before verification (:mod:`onlinespec.decoding.processors`), so the
+output follows the processed target exactly. The rest of vLLM's extras (:data:`VLLM_EXTRAS`) are
+a 400 unless at their neutral value.
 
 Unknown fields: a near miss of a known one (``"Train": false``, ``"max_token"``) is a 400 that
-names the field meant, so a misspelt opt-out is never trained on; vLLM's sampling extras
-(:data:`VLLM_EXTRAS`) are a 400 unless at their neutral value; any other unknown field is ignored
-and named in the response's ``X-Ignored-Fields`` header (:meth:`_Common.ignored_fields`).
+names the field meant, so a misspelt opt-out is never trained on; any other unknown field is
+ignored and named in the response's ``X-Ignored-Fields`` header (:meth:`_Common.ignored_fields`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.sampling import MAX_LOGPROBS, SamplingParams
 from onlinespec.safety import near_miss, shown
 from onlinespec.serve.handles import ServeError
 
-MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+MAX_STOP = 16  # stop sequences per request (OpenAI allows 4, vLLM any number; lm-eval tasks send up to 6 or so)
 MAX_STOP_CHARS = 1000  # characters per stop sequence
-# vLLM's extra request fields that change the output, at their neutral values: anything else is a 400
+MAX_CHOICES = 16  # choices per request (prompts x n): each is a request of its own in the batch
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# vLLM's extra request fields that change the output and that we do not implement, at their
+# neutral values: anything else is a 400
 VLLM_EXTRAS: dict[str, object] = {
-    "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "length_penalty": 1.0, "use_beam_search": False,
-    "stop_token_ids": None, "bad_words": None, "allowed_token_ids": None, "include_stop_str_in_output": False,
-    "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+    "length_penalty": 1.0, "use_beam_search": False, "bad_words": None, "allowed_token_ids": None,
+    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "structured_outputs": None, "logits_processors": None, "top_logprobs": None,
-    "functions": None, "function_call": None,
+    "guided_grammar": None, "structured_outputs": None, "logits_processors": None, "functions": None, "function_call": None,
 }
+TokenId = Annotated[int, Field(ge=0)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 def _neutral(value, neutral) -> bool:
@@ -56,7 +65,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # as vLLM accepts it
+    top_k: int | None = Field(None, ge=-1)  # as vLLM accepts it: 0 or -1 is off
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator takes
     stream: bool = False
@@ -68,11 +77,15 @@ class _Common(BaseModel):
     domain: str | None = None  # routing hint: the draft of this domain serves it (a label: onlinespec.safety.LABEL)
     train: bool = True  # False: never stored, never trained on
     draft: str | None = None  # serve with this draft by name ("static", "none", or a draft's name)
-    # OpenAI options that change the output and that we do not implement: refused unless neutral
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    logprobs: bool | int | None = None
+    # processors of the target's distribution (OpenAI's, then vLLM's extras)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    prompt_logprobs: Logprobs | None = None  # vLLM's: every prompt token's log probability (and the top n)
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields this request sent that change nothing (after :func:`parse`'s checks)."""
@@ -94,23 +107,37 @@ class _Common(BaseModel):
 
     def sampling(self) -> SamplingParams:
         """The sampling parameters (the budget is :meth:`limits`'s); 400 on what we cannot serve."""
-        if self.n != 1:
-            raise ServeError(f"n = {self.n}: this server returns one choice per request; send n = 1 (or several requests)", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ServeError(f"{name} is not supported: it would change the target's distribution; leave it at 0", param=name)
-        if self.logit_bias:
-            raise ServeError("logit_bias is not supported", param="logit_bias")
-        if self.logprobs:
-            raise ServeError("logprobs are not supported yet", param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise ServeError("stream_options needs stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ServeError(f"stop: give at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters", param="stop")
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                raise Unprocessable(f"logit_bias: the keys are token ids (as strings, e.g. \"50256\"), got {shown(key)}", param="logit_bias")
+            bias[int(key)] = value
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                              stop_strings=tuple(stops), seed=self.seed, ignore_eos=self.ignore_eos)
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                              stop_strings=tuple(stops), seed=self.seed, ignore_eos=self.ignore_eos, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias.items()),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
+                              logprobs=self.logprob_count(), prompt_logprobs=self.prompt_logprob_count())
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives each new token's log probability comes with (None: no log probabilities)."""
+        raise NotImplementedError
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.prompt_logprobs
+
+    def choices(self, prompts: int = 1) -> int:
+        """How many choices the request asks for (``n`` per prompt); 400 past :data:`MAX_CHOICES`."""
+        if self.n * prompts > MAX_CHOICES:
+            raise ServeError(f"{prompts} prompt(s) x n = {self.n} asks for {self.n * prompts} choices: this server gives at most "
+                             f"{MAX_CHOICES} per request; send several requests", param="n" if self.n > 1 else "prompt")
+        return self.n * prompts
 
 
 class TextPart(BaseModel):
@@ -133,6 +160,8 @@ class Message(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -158,6 +187,11 @@ class ChatRequest(_Common):
             raise ServeError("every message is empty: give the model something to answer", param="messages")
         return messages
 
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ServeError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def limits(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ServeError("max_tokens and max_completion_tokens disagree: give one", param="max_completion_tokens")
@@ -165,25 +199,31 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[TokenId]] = Field(min_length=1)
     echo: bool = False
+    logprobs: Logprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
 
-    def text(self) -> str | list[int]:
-        if self.echo:
-            raise ServeError("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise ServeError("best_of must be 1", param="best_of")
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (several in one request are choices of their own, prompt by prompt)."""
+        if self.best_of not in (None, self.n):
+            raise ServeError(f"best_of = {self.best_of}: only best_of = n is served (each choice is returned)", param="best_of")
         if self.suffix:
             raise ServeError("suffix is not supported", param="suffix")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) > 1:
-                raise ServeError(f"{len(self.prompt)} prompts in one request: send one prompt per request", param="prompt")
-            return self.prompt[0]
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ServeError("the prompt is empty", param="prompt")
-        return self.prompt
+        prompts = [self.prompt] if isinstance(self.prompt, str) or isinstance(self.prompt[0], int) else list(self.prompt)
+        if any(not p for p in prompts):
+            raise ServeError("a prompt is empty", param="prompt")
+        self.choices(len(prompts))
+        return prompts
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # OpenAI's echo: the prompt's tokens come with log probabilities too
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def limits(self) -> int | None:
         return self.max_tokens

@@ -73,7 +73,8 @@ class Recorder:
                         "length" if stats.finish_reason == "length" else "stop", stats, draft.name, draft.version,
                         handle.versions or ([draft.version] if draft.version else []), handle.domain, self.pool.busy, recorded,
                         route.cluster if route else None, home.name if route else None, self.replica,
-                        self.config.speculation_details)
+                        self.config.speculation_details, state.prompt_ids, state.logprobs if state.params.logprobs is not None else None,
+                        state.prompt_logprobs or None)
         self._count(handle, served)
         self._log(handle, served)
         kill_point("serve.answer")

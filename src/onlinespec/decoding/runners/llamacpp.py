@@ -211,17 +211,22 @@ class LlamaCppRunner:
         self._seq[key], self._length[key], self._held[key] = self._free.pop(), 0, request
 
     def _extend(self, request: object, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Append ``tokens`` to one request's cache, in pieces of at most ``n_batch`` (the last
-        piece holds the outputs); the logits and hidden states of the last ``keep`` (None when 0)."""
+        """Append ``tokens`` to one request's cache, in pieces of at most ``n_batch`` (the outputs
+        in pieces of their own); the logits and hidden states of the last ``keep`` (None when 0)."""
         self._acquire(request)
         key = id(request)
         last = len(tokens) - keep  # the tokens before the outputs: no logits, no hidden states
-        pieces = [(tokens[start: min(start + self.n_batch, last)], 0) for start in range(0, last, self.n_batch)]
-        out = None
-        for piece, outputs in pieces + ([(tokens[last:], keep)] if keep else []):
-            out = self._decode([(self._seq[key], self._length[key], piece, outputs)])
+        pieces = [(tokens[start: min(start + self.n_batch, last)], False) for start in range(0, last, self.n_batch)]
+        pieces += [(tokens[start: start + self.n_batch], True) for start in range(last, len(tokens), self.n_batch)]
+        outs = []
+        for piece, outputs in pieces:
+            out = self._decode([(self._seq[key], self._length[key], piece, len(piece) if outputs else 0)])
             self._length[key] += len(piece)
-        return out
+            if out is not None:
+                outs.append(out)
+        if len(outs) < 2:
+            return outs[0] if outs else None
+        return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
 
     def _trim(self, request: object, length: int) -> None:
         key = id(request)
