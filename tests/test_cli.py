@@ -229,8 +229,8 @@ def test_serve_with_replicas_refuses_content_routing_before_starting_anything(tm
 def test_serve_takes_vllms_flag_names_beside_ours(tmp_path, monkeypatch):
     """`onlinespec serve MODEL --max-num-seqs --max-model-len --dtype --served-model-name a,b
     --log-level`: parsed into the settings the server gets (nothing starts); bad values exit 2."""
-    import onlinespec.cli as cli
-    import onlinespec.serve.server as server
+    from onlinespec import cli
+    from onlinespec.serve import server
 
     seen = {}
     monkeypatch.setattr(server, "serve", lambda make_core, host, port, settings, logs: seen.update(

@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("json", "text")
@@ -34,7 +34,7 @@ class LogSettings:
 
 
 def _head(record: logging.LogRecord) -> dict:
-    ts = datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     return {"ts": ts, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
 
 
