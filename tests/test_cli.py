@@ -224,3 +224,33 @@ def test_serve_with_replicas_refuses_content_routing_before_starting_anything(tm
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "single process" in said and "--router domain" in said
     assert not (tmp_path / "run").exists()
+
+
+def test_serve_takes_vllms_flag_names_beside_ours(tmp_path, monkeypatch):
+    """`onlinespec serve MODEL --max-num-seqs --max-model-len --dtype --served-model-name a,b
+    --log-level`: parsed into the settings the server gets (nothing starts); bad values exit 2."""
+    from onlinespec import cli
+    from onlinespec.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda make_core, host, port, settings, logs: seen.update(
+        core=make_core.args[0], settings=settings, logs=logs))
+    monkeypatch.setattr(cli, "private_files", lambda: None)
+    out = ["--out-dir", str(tmp_path / "run")]
+    result = runner.invoke(app, ["serve", "models/tiny", "--max-num-seqs", "3", "--max-model-len", "128", "--dtype", "bfloat16",
+                                 "--backend", "torch", "--served-model-name", "a,b", "--served-model-name", "c", "--log-level", "debug",
+                                 "--log-format", "text", *out])
+    assert result.exit_code == 0, result.output
+    core, settings = seen["core"], seen["settings"]
+    assert (core.target, core.max_batch, core.max_model_len, core.dtype, core.model_name) == ("models/tiny", 3, 128, "bfloat16", "a")
+    assert settings.model_name == "a" and settings.names == ("a", "b", "c")
+    assert (seen["logs"].level, seen["logs"].format) == ("debug", "text")
+    result = runner.invoke(app, ["serve", "--model", "models/other", "--max-batch", "2", "--dtype", "half", "--backend", "torch", *out])
+    assert result.exit_code == 0, result.output
+    assert (seen["core"].target, seen["core"].max_batch, seen["core"].dtype, seen["settings"].names) == ("models/other", 2, "float16", ("other",))
+    for args, said in ((["m1", "--target", "m2"], "disagree"),
+                       (["--dtype", "float16", "--backend", "llama.cpp", "--device", "cpu"], "quantisation decides"),
+                       (["--dtype", "float8"], "use auto, float32, float16 or bfloat16"),
+                       (["--log-level", "loud"], "--log-level"), (["--log-format", "xml"], "--log-format")):
+        result = runner.invoke(app, ["serve", *args, *out])
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), (args, result.output)

@@ -28,7 +28,8 @@ from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.safety import command_line, private_files
-from onlinespec.serve.config import CoreConfig
+from onlinespec.serve.config import CoreConfig, model_name
+from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
@@ -211,10 +212,10 @@ def distill(
 
 # The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
 CORE_OPTIONS: dict[str, tuple] = {
-    "target": (TargetOpt, CoreConfig.target),
+    "target": (Annotated[str, typer.Option("--target", "--model", help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file (--model: vLLM's name)")], CoreConfig.target),
     "draft": (DraftOpt, CoreConfig.draft),
     "k": (KOpt, CoreConfig.k),
-    "dtype": (DtypeOpt, CoreConfig.dtype),
+    "dtype": (Annotated[str, typer.Option(help="torch backend: float32, float16, bfloat16 or auto (bfloat16 on CUDA, else float32); llama.cpp: auto only (the GGUF file's quantisation decides)")], CoreConfig.dtype),
     "backend": (BackendOpt, CoreConfig.backend),
     "device": (DeviceOpt, CoreConfig.device),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
@@ -247,7 +248,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "drift_alpha_lambda": (Annotated[float, typer.Option(min=0.001, help="content router: Page-Hinkley threshold on a cluster's served alpha falling")], ContentConfig.alpha_lambda),
     "adaptive_k": (Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-step k from the cost model, or always k")], CoreConfig.adaptive_k),
     "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
-    "max_batch": (Annotated[int, typer.Option(min=1, help="requests verified per step")], CoreConfig.max_batch),
+    "max_batch": (Annotated[int, typer.Option("--max-batch", "--max-num-seqs", min=1, help="requests verified per step (--max-num-seqs: vLLM's name)")], CoreConfig.max_batch),
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
     "shared_suffix": (Annotated[bool, typer.Option(help="one suffix index per draft for all tenants: more acceptance, but a client's proposals then reveal other clients' text (docs/reliability.md)")], CoreConfig.shared_suffix),
     "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
@@ -297,6 +298,7 @@ def with_core_options(command):
 @app.command()
 @with_core_options
 def serve(
+    model: Annotated[Optional[str], typer.Argument(help="the target, as --target / --model (vLLM's `serve MODEL`)", show_default=False)] = None,
     out_dir: Annotated[Path, typer.Option(help="buffers, draft registries and the event log (a restart serves the last published versions)")] = Path("runs/serve"),
     host: Annotated[str, typer.Option(help="address to listen on (127.0.0.1: this machine only)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
@@ -305,7 +307,11 @@ def serve(
     api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="API keys, one per line (kept out of `ps`); each key is a tenant of its own")] = None,
     tenant_header: Annotated[Optional[str], typer.Option(help="the tenant is this request header's value (default: the API key's)")] = None,
     admin_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the admin key from this file")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: the target spec's name)")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(help="the model name clients send (default: the target spec's name); repeat it, or separate names by commas, "
+                                                                        "for several: the first is the one responses report, every one is accepted")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(min=2, help="cap a request's context (prompt + output) at this many tokens; longer requests are refused (default: the model's context)")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info (request and access lines), warning or error")] = "info",
+    log_format: Annotated[str, typer.Option(help="json (one object a line: ts, level, logger, msg and the fields) or text")] = "json",
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
     drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
     static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
@@ -324,26 +330,18 @@ def serve(
 
     from onlinespec.serve.server import serve as run_server
 
-    scale = None
-    if replicas is not None:
-        try:
-            from onlinespec.scale import ScaleConfig
-        except ImportError as err:
-            console.print(f"[red]error:[/red] --replicas needs Ray ({err}): pip install 'onlinespec[ray]'")
-            raise typer.Exit(2) from None
-        scale = _user_errors(lambda: ScaleConfig(replicas, ray_address, replica_cpus, learner_cpus, learner_groups))
-        if core.router == "content":
-            console.print("[red]error:[/red] content routing runs in a single process for now: with --replicas use --router domain or single")
-            raise typer.Exit(2)
-
+    scale = _scale_config(core, replicas, ray_address, replica_cpus, learner_cpus, learner_groups) if replicas is not None else None
+    names = _user_errors(lambda: served_names(served_model_name))
+    core = _user_errors(lambda: vllm_options(core, model, names, max_model_len))
     core = replace(core, static_baseline=static_baseline, log_text=log_text)
     api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
     if len(admin_keys) > 1:
         console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
         raise typer.Exit(2)
+    logs = _user_errors(lambda: LogSettings(log_level, log_format))
     private_files()
-    name = served_model_name or model_name(core.target)
-    settings = ServerSettings(model_name=name, api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
+    name = core.model_name
+    settings = ServerSettings(model_name=name, aliases=tuple(names[1:]), api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
                               tenant_header=tenant_header, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
     where = f", {replicas} replicas on Ray" if scale else ""
     console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
@@ -355,7 +353,21 @@ def serve(
         from onlinespec.scale import RayCore
 
         make_core = functools.partial(RayCore, core, out_dir, scale)
-    _user_errors(lambda: run_server(make_core, host, port, settings))
+    _user_errors(lambda: run_server(make_core, host, port, settings, logs))
+
+
+def _scale_config(core: CoreConfig, replicas: int, *resources):
+    """``serve --replicas``: the Ray deployment's ScaleConfig, or a clear exit."""
+    try:
+        from onlinespec.scale import ScaleConfig
+    except ImportError as err:
+        console.print(f"[red]error:[/red] --replicas needs Ray ({err}): pip install 'onlinespec[ray]'")
+        raise typer.Exit(2) from None
+    scale = _user_errors(lambda: ScaleConfig(replicas, *resources))
+    if core.router == "content":
+        console.print("[red]error:[/red] content routing runs in a single process for now: with --replicas use --router domain or single")
+        raise typer.Exit(2)
+    return scale
 
 
 def _keys(value: str | None, path: Path | None, option: str) -> list[str]:
@@ -374,9 +386,32 @@ def _keys(value: str | None, path: Path | None, option: str) -> list[str]:
     return [value] if value else []
 
 
-def model_name(target: str) -> str:
-    """The name a server answers to by default: 'default' for the packaged target, else the folder or file name."""
-    return "default" if target == "default" else Path(target).stem or target
+def served_names(values: list[str] | None) -> list[str]:
+    """--served-model-name, repeated or comma-separated, in order, each once."""
+    names = [n.strip() for value in values or () for n in value.split(",") if n.strip()]
+    return list(dict.fromkeys(names))
+
+
+def vllm_options(core: CoreConfig, model: str | None, names: list[str], max_model_len: int | None) -> CoreConfig:
+    """``serve``'s vLLM-named options applied to the core's config: the MODEL argument (equal to
+    --target / --model), the first served name, --max-model-len, and --dtype checked against the
+    backend that will run the target."""
+    from dataclasses import replace
+
+    from onlinespec.backends import resolve_backend, resolve_device
+
+    if model is not None and core.target not in (CoreConfig.target, model):
+        raise ValueError(f"the MODEL argument {model!r} and --target/--model {core.target!r} disagree: give one "
+                         "(several --served-model-name values: repeat the option or separate them by commas)")
+    core = replace(core, target=model or core.target, served_model_name=names[0] if names else None, max_model_len=max_model_len,
+                   dtype={"half": "float16", "float": "float32"}.get(core.dtype, core.dtype))
+    if core.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise ValueError(f"--dtype {core.dtype!r}: use auto, float32, float16 or bfloat16")
+    gguf = core.target == "default" or core.target.endswith(".gguf")
+    if core.dtype != "auto" and resolve_backend(core.backend, gguf, resolve_device(core.device)) == "llama.cpp":
+        raise ValueError(f"--dtype {core.dtype}: the llama.cpp backend runs the GGUF file, whose quantisation decides the target's "
+                         "precision; use --dtype auto (or --backend torch to choose a dtype)")
+    return core
 
 
 DEMO_DOMAINS, DEMO_BLOCKS = "math_ml,code,chat", "200,20,20"

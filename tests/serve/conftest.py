@@ -11,6 +11,7 @@ import pytest
 from onlinespec.serve.server import ServerProcess
 
 ADMIN = "admin-secret"
+ALIAS = "alias-model"  # the shared server's second served model name
 
 
 def server_args(target, out_dir, *extra: str) -> list[str]:
@@ -29,7 +30,8 @@ def start_server(target, out_dir, *extra: str, log=None) -> ServerProcess:
 def server(tiny_target_folder, tmp_path_factory):
     """One learning server shared by a module's tests (each test sends its own requests)."""
     out_dir = tmp_path_factory.mktemp("served") / "run"
-    process = start_server(tiny_target_folder, out_dir, "--max-waiting", "64", "--max-body-bytes", "20000")
+    process = start_server(tiny_target_folder, out_dir, "--max-waiting", "64", "--max-body-bytes", "20000",
+                           "--served-model-name", f"{tiny_target_folder.name},{ALIAS}")  # vLLM's several names: the first is reported
     process.out_dir = out_dir
     yield process
     assert process.stop() == 0

@@ -4,7 +4,10 @@ usage and speculation figures right, streaming or not, with several clients at o
 from __future__ import annotations
 
 import json
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import httpx
 import pytest
@@ -259,12 +262,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, model):
 
 
 def test_request_logs_hold_no_text(server, model):
-    secret = "zebra-quartz-7731"
-    httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"The password is {secret}.", "max_tokens": 4})
+    """Log lines are JSON objects with a timestamp and a level: a request line with its figures, an
+    access line per HTTP request; never the prompt, the output or an Authorization header."""
+    secret, key = "zebra-quartz-7731", "sk-never-logged-4417"
+    httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"The password is {secret}.", "max_tokens": 4},
+               headers={"Authorization": f"Bearer {key}", "X-Request-Id": "logged-req-1"}).raise_for_status()
+    time.sleep(0.2)  # the access line is written once the response has gone
     log = (server.out_dir.parent / "run.log").read_text()
-    lines = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "request"')]
-    assert lines and {"id", "domain", "draft", "draft_version", "completion_tokens", "alpha", "seconds"} <= set(lines[-1])
-    assert secret not in log and secret not in (server.out_dir / "events.jsonl").read_text()
+    lines = [line for line in map(json.loads, (text for text in log.splitlines() if text.startswith("{"))) if "logger" in line]
+    requests = [line for line in lines if line.get("event") == "request"]
+    assert requests and {"id", "domain", "draft", "draft_version", "completion_tokens", "alpha", "seconds"} <= set(requests[-1])
+    access = [line for line in lines if line["logger"] == "onlinespec.access" and line.get("request_id") == "logged-req-1"]
+    assert len(access) == 1 and access[0]["method"] == "POST" and access[0]["path"] == "/v1/completions" and access[0]["status"] == 200
+    assert access[0]["level"] == "INFO" and access[0]["duration_seconds"] > 0
+    assert all(datetime.fromisoformat(line["ts"]).tzinfo for line in lines)
+    assert secret not in log and key not in log and secret not in (server.out_dir / "events.jsonl").read_text()
 
 
 def test_health_ready_models(server, model):
@@ -293,3 +305,84 @@ def test_training_data_can_be_purged_by_request_and_governance_says_what_was_kep
     bad = admin.post("/admin/data/purge", json={"request_id": 3})
     assert bad.status_code == 400 and "request_id" in bad.json()["error"]["message"]
     assert "onlinespec:requests_opted_out_total" in httpx.get(server.url + "/metrics").text
+
+
+# PromQL of vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) and
+# the spec-decode panels of its docs: every series they read must be on /metrics, with model_name.
+VLLM_DASHBOARD = [
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
+    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
+    'rate(vllm:time_per_output_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:time_per_output_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
+    'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:gpu_cache_usage_perc{model_name="$model_name"}',
+    'vllm:kv_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
+    ('rate(vllm:spec_decode_num_accepted_tokens_total{model_name="$model_name"}[$__rate_interval]) / '
+     'rate(vllm:spec_decode_num_draft_tokens_total{model_name="$model_name"}[$__rate_interval])'),
+    'rate(vllm:spec_decode_num_drafts_total{model_name="$model_name"}[$__rate_interval])',
+    'sum by(position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="$model_name"}[$__rate_interval]))',
+]
+
+
+def test_vllms_dashboard_finds_its_series_with_the_served_model_name(server, model):
+    for i in range(2):
+        httpx.post(server.url + "/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 12 + i,
+                                                              "temperature": 0}, timeout=60).raise_for_status()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    names = {name for expr in VLLM_DASHBOARD for name in re.findall(r"vllm:[a-z0-9_]+", expr)}
+    assert len(names) >= 20
+    for name in sorted(names):
+        assert name in samples, f"{name} is not on /metrics"
+        assert all(s.labels["model_name"] == model for s in samples[name]), name
+    total = lambda name: sum(s.value for s in samples[name])  # noqa: E731
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count", "vllm:request_prompt_tokens_count", "vllm:request_params_max_tokens_count",
+                 "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total", "vllm:inter_token_latency_seconds_count"):
+        assert total(name) > 0, name
+    assert total("vllm:prompt_tokens_total") == total("onlinespec:prompt_tokens_total")  # one recording call feeds both
+    # ours per draft version keep the newest versions only (KEEP_VERSIONS); vLLM's count from the start
+    assert total("vllm:spec_decode_num_accepted_tokens_total") >= total("onlinespec:spec_decode_num_accepted_tokens_total") > 0
+    assert 0 <= total("vllm:kv_cache_usage_perc") <= 1 and {s.labels["finished_reason"] for s in samples["vllm:request_success_total"]} <= {"stop", "length"}
+
+
+def test_tokenize_detokenize_version_and_every_served_name(server, model, alone):
+    ALIAS = "alias-model"  # the shared server's second --served-model-name (conftest.py)
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+    text = "The capital of France is"
+    got = post("/tokenize", {"model": model, "prompt": text}).json()
+    served = post("/v1/completions", {"model": ALIAS, "prompt": text, "max_tokens": 1}).json()
+    assert got["tokens"] == alone.tokenizer(text).input_ids and got["count"] == served["usage"]["prompt_tokens"]
+    assert served["model"] == model  # a request may name any served name: the first is reported
+    assert got["max_model_len"] == httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"] > 0
+    chat = post("/tokenize", {"messages": MESSAGES, "return_token_strs": True}).json()
+    answered = post("/v1/chat/completions", {"model": model, "messages": MESSAGES, "max_tokens": 1}).json()
+    assert chat["count"] == answered["usage"]["prompt_tokens"] == len(chat["token_strs"])
+    assert post("/detokenize", {"model": model, "tokens": got["tokens"]}).json()["prompt"] == alone.tokenizer.decode(got["tokens"])
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [model, ALIAS]
+    for path, body, status, param in (("/tokenize", {"model": model}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "messages"),
+                                      ("/tokenize", {"prompt": 3}, 422, "prompt"),
+                                      ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+                                      ("/tokenize", {"prompt": "a", "add_special_token": True}, 422, "add_special_token"),
+                                      ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "tokens.1"),
+                                      ("/detokenize", {"tokens": "abc"}, 422, "tokens")):
+        error = post(path, body)
+        assert error.status_code == status and error.json()["error"]["param"] == param, (path, body, error.text)

@@ -13,9 +13,7 @@ events, batched per engine step; ``cancel`` frees a request whose client went aw
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from onlinespec.scale.learners import RemoteLearner, group_of
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import Served, ServeError
+from onlinespec.serve.logs import configure_logging
 
 ACCEPTED = "accepted"  # submit's answer when the replica queued the request
 GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to send one step's events together
@@ -36,12 +35,7 @@ GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to
 class ReplicaService:
     def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int, plumbing_nice: int = PLUMBING_NICE) -> None:
         torch.set_num_threads(threads)
-        handler = logging.StreamHandler(sys.stderr)  # request log lines, as the single-process server writes them
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        requests_log = logging.getLogger("onlinespec.requests")
-        requests_log.addHandler(handler)
-        requests_log.setLevel(logging.INFO)
-        requests_log.propagate = False
+        configure_logging()  # request log lines, as the single-process server writes them (JSON, info)
         self.replica, self.learners = replica, learners
         self._open: dict[str, object] = {}  # the front's key -> the handle of a request this replica serves
         self._wake = asyncio.Event()

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a :class:`~onlinespec.serve.core.ServingCore` (FastAPI).
 
 Routes, one router per concern: OpenAI's API under ``/v1`` (:mod:`onlinespec.serve.openai_routes`),
+vLLM's ``/tokenize``, ``/detokenize`` and ``/version`` (:mod:`onlinespec.serve.tokenizer_routes`),
 the process's health (``GET /health``: alive; ``GET /ready``: model loaded and calibrated;
 ``GET /metrics``: Prometheus text), and the admin API under ``/admin``
 (:mod:`onlinespec.serve.admin_routes`). Every error has OpenAI's shape
@@ -20,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from onlinespec.serve.admin_routes import admin_router
 from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import NotFound, ServeError
+from onlinespec.serve.logs import AccessLog
 from onlinespec.serve.openai_routes import openai_router
+from onlinespec.serve.tokenizer_routes import tokenizer_router
 from onlinespec.serve.web import Access, ServerSettings, error_response
 
 
@@ -38,8 +41,10 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
 
     app = FastAPI(title="onlinespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     add_error_handlers(app)
+    app.add_middleware(AccessLog)
     access = Access(settings)
     app.include_router(openai_router(core, settings, access))
+    app.include_router(tokenizer_router(core, settings, access))
     app.include_router(health_router(core, settings))
     app.include_router(admin_router(core, settings, access))
     return app

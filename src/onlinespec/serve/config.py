@@ -4,6 +4,7 @@ options; a Ray deployment sends them to every replica and learner actor)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from onlinespec.decoding.engine import DEFAULT_K, DEFAULT_PREFILL_CHUNK
 from onlinespec.decoding.scheduler import DEFAULT_MAX_BATCH
@@ -44,6 +45,8 @@ class CoreConfig:
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
     suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
+    served_model_name: str | None = None  # the name clients send and the vllm: metrics' model_name (None: model_name(target))
+    max_model_len: int | None = None  # cap the context (prompt + output) at this many tokens (None: the model's own)
     learn_share: float | None = 0.1  # under load, the most of the engine's wall time updates take (in its turns,
     # onlinespec.online.turns; idle: all of it); None: updates run beside serving in a thread at low priority
 
@@ -60,8 +63,15 @@ class CoreConfig:
             raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
         if self.suffix_tokens < 0:
             raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 tokens (or unset: the model's context), got {self.max_model_len}")
         if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
             raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name: ``served_model_name``, else :func:`model_name` of the target."""
+        return self.served_model_name or model_name(self.target)
 
     @property
     def retention_seconds(self) -> float | None:
@@ -70,3 +80,8 @@ class CoreConfig:
     @property
     def learning(self) -> bool:
         return self.learn and self.draft != "none"
+
+
+def model_name(target: str) -> str:
+    """The name a server answers to by default: 'default' for the packaged target, else the folder or file name."""
+    return "default" if target == "default" else Path(target).stem or target

@@ -54,7 +54,7 @@ from onlinespec.serve.admission import Domains, admit_params, encode, named_draf
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
-from onlinespec.serve.metrics import ServeMetrics
+from onlinespec.serve.metrics import ServeMetrics, batch_state
 from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
 from onlinespec.serve.recorder import Recorder
 from onlinespec.storage import EventLog, OutDirLock, kill_point
@@ -86,7 +86,7 @@ class ServingCore:
         except BaseException:
             self.lock.release()
             raise
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(config.model_name)
         self.target = target
         self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
         self.error: str | None = None
@@ -153,9 +153,11 @@ class ServingCore:
             """A fresh starting draft with acceptance statistics of its own."""
             return make_proposer(config.draft, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
 
-        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False))
+        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len)
         self.engine = SpeculativeEngine(runner, self.eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
         self.context = self.engine.context
+        if config.max_model_len is not None and self.context < config.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} is past this model's context of {self.context} tokens: give at most that")
         self.scheduler = Scheduler(self.engine, config.max_batch)
         learning = config.learning
         content = config.router == "content" and learning and config.head_updates
@@ -312,8 +314,7 @@ class ServingCore:
                 return False
         self.scheduler.cancel(handle.state)
         self._release(handle)
-        self.metrics.running.set(len(self.scheduler.running))  # no step may come to update it
-        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.batch(*batch_state(self.scheduler))  # no step may come to update it
         self.metrics.failures.labels(why).inc()
         return True
 
@@ -348,8 +349,7 @@ class ServingCore:
             if self.share is not None:
                 self.share.stepped(time.perf_counter() - tick)
             kill_point("serve.step")
-            self.metrics.running.set(len(self.scheduler.running))
-            self.metrics.waiting.set(len(self.scheduler.waiting))
+            self.metrics.batch(*batch_state(self.scheduler))
             now = time.perf_counter()
             for state in advanced:
                 self._advance(state, now)
@@ -372,7 +372,7 @@ class ServingCore:
         if state.new_tokens:
             if handle.last_emit is not None:  # the first tokens are time to first token, not inter-token
                 for _ in state.new_tokens:
-                    self.metrics.itl.observe((now - handle.last_emit) / len(state.new_tokens))
+                    self.metrics.inter_token((now - handle.last_emit) / len(state.new_tokens))
             handle.last_emit = now
         if handle.stream and (state.new_tokens or state.finished):
             delta, handle.emitted = text_delta(state, handle.emitted)

@@ -6,11 +6,17 @@ The spec-decode counters are vLLM's (``spec_decode_num_drafts_total``,
 domain: an operator sees, per published version, whether acceptance rose. Latency histograms,
 queue gauges and the learner's counters come beside them. Each core has its own registry, so
 several cores (tests, replicas) never share counters.
+
+vLLM's own series (``vllm:``, labelled ``model_name``: :mod:`onlinespec.serve.vllm_metrics`)
+are fed by the same calls (:meth:`ServeMetrics.request`, :meth:`~ServeMetrics.batch`,
+:meth:`~ServeMetrics.inter_token`): one recording point, two families.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from onlinespec.serve.vllm_metrics import VllmMetrics
 
 PREFIX = "onlinespec:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -20,7 +26,8 @@ KEEP_VERSIONS = 2  # per draft, the versions whose spec-decode series /metrics k
 
 
 class ServeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
+        """``model_name``: the served model's name, the ``model_name`` label of the ``vllm:`` series."""
         self.registry = r = CollectorRegistry()
         name = lambda n: PREFIX + n  # noqa: E731
         self.num_drafts = Counter(name("spec_decode_num_drafts"), "Rounds that sent proposals", SPEC, registry=r)
@@ -66,11 +73,13 @@ class ServeMetrics:
                                 "to score (its backlog's oldest)", registry=r)
         self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
         self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
+        self.vllm = VllmMetrics(r, model_name)
         self._versions: dict[str, str] = {}
         self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
 
-    def request(self, draft: str, version: str | None, domain: str, stats, figures: dict) -> None:
-        """Count one finished request (``figures``: :func:`onlinespec.metrics.speculative_decoding`)."""
+    def request(self, draft: str, version: str | None, domain: str, stats, figures: dict, max_tokens: int | None = None) -> None:
+        """Count one finished request (``figures``: :func:`onlinespec.metrics.speculative_decoding`;
+        ``max_tokens``: its token budget), in both families."""
         labels = (draft, version or "none", domain)
         self._retire_old_versions(draft, labels, len(figures["num_accepted_tokens_per_pos"]))
         self.num_drafts.labels(*labels).inc(figures["num_drafts"])
@@ -84,6 +93,17 @@ class ServeMetrics:
         self.latency.observe(stats.seconds)
         self.queue_time.observe(stats.queued_seconds)
         self.ttft.observe(stats.first_token_seconds)
+        self.vllm.request(stats, figures, max_tokens)
+
+    def batch(self, running: int, waiting: int, kv_usage: float | None = None) -> None:
+        """The engine's batch now: requests running and waiting, the share of the KV cache in use."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.vllm.batch(running, waiting, kv_usage)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.vllm.itl.labels(self.vllm.model_name).observe(seconds)
 
     def _retire_old_versions(self, draft: str, labels: tuple, positions: int) -> None:
         """Keep the per-version series of a draft's newest KEEP_VERSIONS versions only: a server
@@ -154,3 +174,13 @@ class ServeMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def batch_state(scheduler) -> tuple[int, int, float]:
+    """(requests running, requests waiting, share of the KV cache in use) of a
+    :class:`~onlinespec.decoding.scheduler.Scheduler`: the share is the prompt and generated tokens
+    of the requests in the batch over ``max_batch`` x the context (what llama.cpp allocates)."""
+    running = list(scheduler.running)
+    room = scheduler.max_batch * scheduler.engine.context
+    held = sum(len(request.ids) for request in running)
+    return len(running), len(scheduler.waiting), min(held / room, 1.0) if room > 0 else 0.0

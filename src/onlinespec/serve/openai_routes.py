@@ -42,9 +42,9 @@ def openai_router(core: ServingCore, settings: ServerSettings, access: Access) -
     @router.get("/v1/models")
     async def models(request: Request):
         access.tenant(request)
-        card = {"id": settings.model_name, "object": "model", "created": int(core.started_at), "owned_by": "onlinespec",
-                "max_model_len": getattr(core, "context", None)}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": int(core.started_at), "owned_by": "onlinespec",
+                  "root": settings.model_name, "max_model_len": getattr(core, "context", None)} for name in settings.names]
+        return {"object": "list", "data": cards}
 
     return router
 
@@ -57,8 +57,8 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
     if len(request_id) > 128 or not request_id.isprintable():
         raise ServeError("X-Request-Id: give at most 128 printable characters", param="X-Request-Id", code="invalid_request_id")
     body = parse(await read_body(request, settings.max_body_bytes), ChatRequest if chat else CompletionRequest)
-    if body.model != settings.model_name:
-        raise NotFound(f"model {shown(body.model)} is not served here: use {settings.model_name!r} (GET /v1/models)",
+    if body.model not in settings.names:
+        raise NotFound(f"model {shown(body.model)} is not served here: use {' or '.join(map(repr, settings.names))} (GET /v1/models)",
                        param="model", code="model_not_found")
     prompts = [body.prompt()] if chat else body.prompts()
     body.choices(len(prompts))

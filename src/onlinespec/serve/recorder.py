@@ -4,7 +4,6 @@ engine loop never waits for a disk."""
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -102,7 +101,8 @@ class Recorder:
 
     def _count(self, handle: Handle, served: Served) -> None:
         draft, home, stats = handle.draft, handle.home, served.stats
-        self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats))
+        self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats),
+                             handle.state.params.max_new_tokens)
         if self.on_served is not None and draft.learner is not None:
             self.on_served(draft, stats)
         self.metrics.serving(draft.name, draft.version)
@@ -131,5 +131,5 @@ class Recorder:
             line["replica"] = self.replica
         if self.config.log_text:
             line.update(prompt=handle.prompt_text, text=served.text)
-        log.info(json.dumps(line))
+        log.info("request", extra={"fields": line})
         self.event(line)

@@ -9,7 +9,6 @@ exits 0. A restart on the same ``--out-dir`` serves each draft's last published 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -25,23 +24,20 @@ import uvicorn
 
 from onlinespec.serve.app import create_app
 from onlinespec.serve.core import ServingCore
+from onlinespec.serve.logs import LogSettings, configure_logging
 from onlinespec.serve.web import ServerSettings
 
 
 def serve(make_core: Callable[[], ServingCore], host: str = "127.0.0.1", port: int = 8000,
-          settings: ServerSettings | None = None) -> None:
-    """Serve until SIGTERM / SIGINT (blocking). Request log lines (one JSON object each) go to stderr.
+          settings: ServerSettings | None = None, logs: LogSettings | None = None) -> None:
+    """Serve until SIGTERM / SIGINT (blocking). Log lines go to stderr (:mod:`onlinespec.serve.logs`:
+    one JSON object each by default; a request line per request, an access line per HTTP request).
     ``make_core`` builds what serves the requests: a :class:`ServingCore` in this process, or
     replicas on Ray (``onlinespec.scale.RayCore``; the CLI chooses, so serving never imports scale)."""
     settings = settings or ServerSettings()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    requests_log = logging.getLogger("onlinespec.requests")
-    requests_log.addHandler(handler)
-    requests_log.setLevel(logging.INFO)
-    requests_log.propagate = False
+    uvicorn_level = configure_logging(logs)
     app = create_app(make_core(), settings)
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, log_config=None,
                            timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
 
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from onlinespec.safety import check_label, key_tenant, same_key
-from onlinespec.serve.handles import Overloaded, ServeError
+from onlinespec.safety import check_label, key_tenant, same_key, shown
+from onlinespec.serve.handles import NotFound, Overloaded, ServeError
 
 
 @dataclass
 class ServerSettings:
-    model_name: str = "default"  # the `model` clients send
+    model_name: str = "default"  # the `model` clients send, and responses report
+    aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's --served-model-name a b: a is reported)
     api_key: str | None = None  # Bearer key for /v1 routes (None: open, unless api_keys)
     api_keys: tuple[str, ...] = ()  # several keys: each is a tenant of its own
     tenant_header: str | None = None  # the tenant is this header's value (else the API key's, else "default")
@@ -23,6 +24,17 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may finish
     load_in_background: bool = True  # answer /health while the model loads
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give, the reported one first."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 naming the served models unless ``name`` is one (None: not given, accepted)."""
+        if name is not None and name not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise NotFound(f"model {shown(name)} is not served here: use {served} (GET /v1/models)", param="model", code="model_not_found")
 
 
 class Unauthorized(ServeError):

@@ -29,8 +29,10 @@ DEFAULT_CONTEXT = 2048  # a model config that names no context length
 class TorchRunner:
     name = "torch"
 
-    def __init__(self, model: PreTrainedModel, cost_curve: CostCurve | None = None, pad: bool = True) -> None:
-        self.model, self.cost_curve, self.pad = model, cost_curve, pad
+    def __init__(self, model: PreTrainedModel, cost_curve: CostCurve | None = None, pad: bool = True,
+                 context: int | None = None) -> None:
+        """``context``: cap a request's positions at this many (None: the model's own context)."""
+        self.model, self.cost_curve, self.pad, self._cap = model, cost_curve, pad, context
         self.device = next(model.parameters()).device
         self.batch = BatchKVCache(model.config, self.device)
         self._own: dict[int, tuple[object, DynamicCache]] = {}  # prefilling requests' caches
@@ -38,7 +40,8 @@ class TorchRunner:
 
     @property
     def context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 0) or DEFAULT_CONTEXT)
+        own = int(getattr(self.model.config, "max_position_embeddings", 0) or DEFAULT_CONTEXT)
+        return min(own, self._cap) if self._cap else own
 
     @property
     def vocab_size(self) -> int:
