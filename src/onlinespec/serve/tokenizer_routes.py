@@ -65,12 +65,16 @@ def tokenizer_router(core, settings: ServerSettings, access: Access) -> APIRoute
             raise Unavailable(f"not ready: the model is {core.status}; retry when GET /ready answers 200")
         return loaded
 
+    async def read(request: Request, kind: type):
+        """The request's body as ``kind``, for a model served here, and the tokenizer (the /v1 routes' key check)."""
+        access.tenant(request)
+        body = parse(await read_body(request, settings.max_body_bytes), kind)
+        settings.check_model(body.model)
+        return body, tokenizer()
+
     @router.post("/tokenize")
     async def tokenize(request: Request):
-        access.tenant(request)
-        body = parse(await read_body(request, settings.max_body_bytes), TokenizeRequest)
-        settings.check_model(body.model)
-        tok = tokenizer()
+        body, tok = await read(request, TokenizeRequest)
         ids = await asyncio.to_thread(encode, tok, body)
         out = {"count": len(ids), "max_model_len": getattr(core, "context", None), "tokens": ids}
         if body.return_token_strs:
@@ -79,10 +83,7 @@ def tokenizer_router(core, settings: ServerSettings, access: Access) -> APIRoute
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
-        access.tenant(request)
-        body = parse(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
-        settings.check_model(body.model)
-        tok = tokenizer()
+        body, tok = await read(request, DetokenizeRequest)
         bad = next(((i, t) for i, t in enumerate(body.tokens) if not 0 <= t < len(tok)), None)
         if bad is not None:
             raise ServeError(f"tokens.{bad[0]}: token id {bad[1]} is not in this model's vocabulary (ids run from 0 to {len(tok) - 1})",
