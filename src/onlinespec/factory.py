@@ -159,6 +159,7 @@ def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool
 
 
 RECALIBRATE = "ONLINESPEC_RECALIBRATE"  # set to 1: measure again (and replace the cached measurement)
+CALIBRATION_REPS = "ONLINESPEC_CALIBRATION_REPS"  # timed forwards per point (default 3; the test suite takes 1: its curves decide no claim)
 
 
 def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: int, batches: tuple[int, ...]) -> CostCurve:
@@ -177,6 +178,9 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": _cpu_name(),
            "kernels": "choose" if kernels else small_batch.enabled(model), "kernel_width": kernel_width, "max_width": max_width,
            "batches": list(batches), "contexts": list(CONTEXTS)}
+    reps = int(os.environ.get(CALIBRATION_REPS, "3"))
+    if reps != 3:  # a quicker, noisier curve is kept apart from the full one
+        key["reps"] = reps
     llama = target.backend == "llama.cpp"
     if llama:  # the GGUF file's weights and llama.cpp's kernels decide the curve; torch's kernels do not run
         import llama_cpp
@@ -199,7 +203,7 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
             log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
     chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
-    curve = measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches)
+    curve = measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches, reps=reps)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"key": key, "kernels": chosen, "curve": curve.to_dict(),
