@@ -6,7 +6,7 @@ real prompts, one at a time and 4 in flight; a divergence is tolerated only at a
 (``NEAR_TIE["gguf"]``: a verification block runs other kernels than a one-token decode).
 
 Sampling: 2-token continuations of a repetitive prompt (n-gram proposals, so rejection sampling
-runs) against the exact distribution computed from llama.cpp's own logits; chi-square, N = 2000,
+runs) against the exact distribution computed from llama.cpp's own logits; chi-square, N = 400,
 seeds 20000.., p-value > 1e-3, and no continuation the target rules out.
 """
 
@@ -95,6 +95,29 @@ def test_sampling_follows_llamacpp_target_distribution(target, chi_square):
     keys = sorted(set(exact) | set(counts))
     p_value, stat, df = chi_square([counts.get(x, 0) for x in keys], [exact.get(x, 0.0) for x in keys])
     assert p_value > 1e-3, (p_value, stat, df)
+
+
+@torch.inference_mode()
+def test_choices_of_one_prompt_share_its_prefill(target):
+    """A request whose prompt another holds copies that cache (``fork``) instead of computing it:
+    the next forward reads the same as after a prefill of its own, and ``n`` choices of one
+    prompt decode as each would alone (greedy: identical; near-ties aside)."""
+    prompt = target.tokenizer("Write two short lines about the sea, the sky, the gulls and the wind that blows over the cold grey water at dawn.").input_ids
+    runner, donor, child = target.runner(2), object(), object()
+    runner.forward_alone(donor, prompt, 1)
+    runner.join(donor, len(prompt))
+    assert runner.fork(donor, child, len(prompt) - 1) and not runner.fork(donor, child, len(prompt) - 1)
+    forked, _ = runner.forward_alone(child, prompt[-1:] + [11, 12], 3)
+    fresh, other = target.runner(1), object()
+    expected, _ = fresh.forward_alone(other, prompt + [11, 12], 3)
+    assert torch.allclose(forked, expected, atol=0.05), float((forked - expected).abs().max())
+
+    decoder = new_decoder(target, None, 0, max_batch=4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outputs = decoder.generate_many([prompt] * 4, params)
+    assert decoder.engine.shared_prefill_tokens >= 3 * (len(prompt) - 1)
+    alone = new_decoder(target, None, 0).generate(prompt, params).token_ids
+    assert all(out.token_ids == alone for out in outputs)
 
 
 @torch.inference_mode()

@@ -52,6 +52,10 @@ from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
 
 DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
 DEFAULT_PREFILL_CHUNK = 256
+# prompts shorter than this prefill again rather than copy another request's cache: llama.cpp copies a
+# sequence's whole cache stream (about 90 MB for the packaged target), which costs about what a prefill
+# of a dozen tokens does on a CPU
+MIN_SHARED_PREFILL = 16
 
 
 @dataclass
@@ -66,6 +70,7 @@ class StepReport:
     accepted: int = 0
     emitted: int = 0  # tokens emitted by every request of the step
     prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0  # prompt positions copied from another request's cache instead of computed
     draft_seconds: float = 0.0
     target_seconds: float = 0.0  # the batched forward
     prefill_seconds: float = 0.0  # prompt forwards (chunks and joining requests)
@@ -105,6 +110,7 @@ class SpeculativeEngine:
         self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
         self._exploring = False  # this step verifies what it drafted, paying or not (AdaptiveK.idle_step)
         self.draft_failures = 0  # proposer calls that raised (their requests went on undrafted)
+        self.shared_prefill_tokens = 0  # prompt positions copied from another request's cache (_share_prompt)
 
     @property
     def context(self) -> int:
@@ -181,6 +187,7 @@ class SpeculativeEngine:
         for r in active:
             if r.finished or id(r) in running:
                 continue
+            self._share_prompt(r, report)
             if budget is None and r.params.prompt_logprobs is not None:  # scored chunks stay within prefill_chunk
                 while not r.finished and len(r.ids) - r.prefilled > self.prefill_chunk:
                     self._prefill(r, r.ids[r.prefilled: r.prefilled + self.prefill_chunk], report)
@@ -241,6 +248,7 @@ class SpeculativeEngine:
         """Requests whose last prompt chunk runs now: prefill and first verification share a
         forward of their own; then each joins the batch cache (or leaves, finished or failed)."""
         for r, proposal in zip(joining, proposals):
+            self._share_prompt(r, report)
             rest = r.ids[r.prefilled:]  # the prompt, or all the text of a request recomputed
             proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
             try:
@@ -254,6 +262,19 @@ class SpeculativeEngine:
                 self.runner.release([r])
             else:
                 self.runner.join(r, r.prefilled + n_accepted)
+
+    def _share_prompt(self, r: RequestState, report: StepReport) -> None:
+        """A new request whose prompt another request in the runner holds (the ``n`` choices of
+        one prompt) copies that cache instead of computing it again, when the runner can: all of
+        the prompt but its last token, which runs with the request's first proposals."""
+        shared = len(r.prompt_ids) - 1
+        if r.prefilled or shared < MIN_SHARED_PREFILL or r.params.prompt_logprobs is not None or len(r.ids) != len(r.prompt_ids):
+            return
+        donor = next((d for d in self.runner.holding() if d is not r and d.prompt_ids == r.prompt_ids and not d.finished), None)
+        if donor is not None and self.runner.fork(donor, r, shared):
+            r.prefilled = shared
+            report.shared_prefill_tokens += shared
+            self.shared_prefill_tokens += shared
 
     def _prefill_and_verify(self, r: RequestState, rest: list[int], proposal: Proposal, report: StepReport) -> int:
         """One joining request's forward: the ``rest`` of its text not cached yet and its

@@ -8,6 +8,8 @@ cache, and answers three questions about a batch of requests, each keyed by its 
 - ``forward_alone(request, block, keep)``: a request's last prompt chunk and its first proposals
   in a forward of its own, the logits and post-norm hidden states of its last ``keep`` positions;
   ``join(request, length)`` then keeps its first ``length`` positions and adds it to the batch;
+  ``fork(donor, request, length)`` may instead start a request's cache with the first ``length``
+  positions of another's that holds the same prompt (``n`` choices of one prompt), or say False;
 - ``forward(blocks)``: ONE forward over one block per running request (``rows`` order), the
   logits and hidden states of every block position; ``commit(kept)`` keeps each row's first
   ``kept[b]`` positions and forgets the rest (rejected proposals).
@@ -55,6 +57,8 @@ class TargetRunner(Protocol):
     def prefill(self, request: object, tokens: list[int]) -> None: ...
 
     def forward_alone(self, request: object, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def fork(self, donor: object, request: object, length: int) -> bool: ...
 
     def join(self, request: object, length: int) -> None: ...
 

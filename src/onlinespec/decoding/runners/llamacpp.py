@@ -162,6 +162,19 @@ class LlamaCppRunner:
         self._trim(request, length)
         self._rows.append(request)
 
+    def fork(self, donor: object, request: object, length: int) -> bool:
+        """Start ``request``'s cache with the first ``length`` positions of ``donor``'s (a prompt
+        both begin with), copied rather than computed; False when that cannot be done here."""
+        if id(donor) not in self._held or self._length[id(donor)] < length or id(request) in self._held:
+            return False
+        self._acquire(request)
+        key = id(request)
+        # sequences have streams of their own (kv_unified off): llama.cpp copies a whole stream, then the copy is cut
+        self._lib.llama_memory_seq_cp(self._memory, self._seq[id(donor)], self._seq[key], -1, -1)
+        self._length[key] = self._length[id(donor)]
+        self._trim(request, length)
+        return True
+
     def forward(self, blocks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len(blocks) != len(self._rows):
             raise ValueError(f"one block per row: {len(blocks)} blocks for {len(self._rows)} rows")

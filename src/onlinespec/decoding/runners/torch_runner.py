@@ -76,6 +76,10 @@ class TorchRunner:
         hidden = self.model.get_decoder()(input_ids=self._ids(block), cache=cache).last_hidden_state[0, -keep:]
         return _out(self.model.get_output_embeddings()(hidden)), _out(hidden)
 
+    def fork(self, donor: object, request: object, length: int) -> bool:
+        """Not here: a batched request's rows live in the batch cache among holes; ``request`` prefills its own."""
+        return False
+
     def join(self, request: object, length: int) -> None:
         _, cache = self._own.pop(id(request))
         truncate_cache(cache, length)
