@@ -235,7 +235,7 @@ def test_serve_takes_vllms_flag_names_beside_ours(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(server, "serve", lambda make_core, host, port, settings, logs: seen.update(
         core=make_core.args[0], settings=settings, logs=logs))
-    monkeypatch.setattr(cli, "private_files", lambda: None)
+    monkeypatch.setattr(cli.serving, "private_files", lambda: None)
     out = ["--out-dir", str(tmp_path / "run")]
     result = runner.invoke(app, ["serve", "models/tiny", "--max-num-seqs", "3", "--max-model-len", "128", "--dtype", "bfloat16",
                                  "--backend", "torch", "--served-model-name", "a,b", "--served-model-name", "c", "--log-level", "debug",

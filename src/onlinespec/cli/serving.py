@@ -1,5 +1,4 @@
-# Over 500 lines: one typer app, every subcommand's options beside its body; split into a cli/ package per command group with issue 29.
-"""The ``onlinespec`` command: generate, bench, demo, data, costmodel."""
+"""Serving: serve (vLLM's flag names too), demo, online, their reports, and fetch-default."""
 
 from __future__ import annotations
 
@@ -16,13 +15,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from onlinespec.benchmark import BenchConfig
-from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.decoding.feature_head import CHAIN_DEPTH
+from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, KOpt, TargetOpt, app, console, out, user_errors
+from onlinespec.cli.records import routing_table
 from onlinespec.distill.step import DistillConfig
 from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.online.learner import LearnerConfig
@@ -31,184 +27,6 @@ from onlinespec.safety import command_line, private_files
 from onlinespec.serve.config import CoreConfig, model_name
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__)
-data_app = typer.Typer(no_args_is_help=True, help="Real query data: list sources, export prompt files.")
-app.add_typer(data_app, name="data")
-drafts_app = typer.Typer(no_args_is_help=True, help="The versioned draft registry of an online run: list, roll back, serve a version.")
-app.add_typer(drafts_app, name="drafts")
-console = Console(stderr=True)  # progress and messages
-out = Console(width=None if sys.stdout.isatty() else 160)  # results
-
-DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]' (HEAD 'fresh': a head born from the target, learning from traffic; the default for a target without a packaged head), 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
-TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
-KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
-DtypeOpt = Annotated[str, typer.Option(help="torch backend: float32, bfloat16 or auto (bfloat16 on CUDA, else float32)")]
-BackendOpt = Annotated[str, typer.Option(help="what runs the target: auto (llama.cpp for a .gguf file or 'default' on a CPU, else torch), llama.cpp or torch")]
-DeviceOpt = Annotated[str, typer.Option(help="torch backend: auto (cuda when torch sees one), cpu or cuda")]
-
-
-@app.command()
-def generate(
-    prompt: Annotated[str, typer.Argument(help="the prompt text")],
-    chat: Annotated[bool, typer.Option("--chat/--raw", help="wrap the prompt as a user message in the chat template")] = True,
-    target: TargetOpt = "default",
-    draft: DraftOpt = DEFAULT_DRAFT,
-    k: KOpt = DEFAULT_K,
-    dtype: DtypeOpt = "auto",
-    backend: BackendOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy")] = 0.0,
-    top_p: float = 1.0,
-    top_k: Annotated[int, typer.Option(min=0)] = 0,
-    seed: Optional[int] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
-    stats: Annotated[bool, typer.Option("--stats", help="print per-request statistics to stderr")] = False,
-) -> None:
-    """Generate text for one prompt, streaming it to stdout."""
-    from onlinespec.factory import load_decoder
-
-    params = _sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
-    with console.status("loading models"):
-        decoder = _user_errors(lambda: load_decoder(target, draft, k, dtype, backend=backend, device=device))
-    request = [{"role": "user", "content": prompt}] if chat else prompt
-
-    def stream_out():
-        final = None
-        for chunk in decoder.stream(request, params):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            final = chunk.stats or final
-        sys.stdout.write("\n")
-        return final
-
-    final = _user_errors(stream_out)
-    if stats and final is not None:
-        console.print_json(json.dumps(final.to_dict()))
-
-
-@app.command()
-def bench(
-    prompts: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL: {'prompt'|'messages', 'domain'?, 'max_new_tokens'?}")],
-    json_out: Annotated[Path, typer.Option("--json", help="where to write the results")],
-    target: TargetOpt = "default",
-    draft: DraftOpt = BenchConfig.draft,
-    k: KOpt = BenchConfig.k,
-    dtype: DtypeOpt = BenchConfig.dtype,
-    backend: BackendOpt = BenchConfig.backend,
-    device: DeviceOpt = BenchConfig.device,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="for prompts that do not set it")] = BenchConfig.max_new_tokens,
-    temperature: Annotated[float, typer.Option(min=0.0)] = BenchConfig.temperature,
-    top_p: float = BenchConfig.top_p,
-    top_k: Annotated[int, typer.Option(min=0)] = BenchConfig.top_k,
-    seed: int = BenchConfig.seed,
-    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="also run Hugging Face assisted generation")] = BenchConfig.hf_assisted,
-    pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = BenchConfig.pad_verify,
-    adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per step, verify only the proposals the cost model says pay")] = BenchConfig.adaptive_k,
-    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = BenchConfig.small_batch_kernels,
-    concurrency: Annotated[Optional[str], typer.Option(help="comma-separated levels, e.g. 1,2,4,8: serve the prompts with that many in flight (batched), target alone vs speculative; writes a PNG beside the JSON")] = None,
-) -> None:
-    """Target alone vs our speculative decoding vs HF assisted generation, side by side
-    (``--concurrency``: both batched, at each number of requests in flight)."""
-    from onlinespec.benchmark import plot_concurrency
-    from onlinespec.data import read_queries_jsonl
-
-    levels = _user_errors(lambda: _levels(concurrency)) if concurrency else None
-    queries = _user_errors(lambda: read_queries_jsonl(prompts))
-    config = BenchConfig(target, draft, k, dtype, backend, device, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify,
-                         adaptive_k, kernels)
-    summary = _run_concurrency_bench(queries, config, levels) if levels else _run_bench(queries, config)
-    summary["command"] = command_line(sys.argv[1:])
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(summary, indent=2))
-    if levels:
-        print_concurrency(summary)
-        plot_concurrency(summary, json_out.with_suffix(".png"))
-        console.print(f"wrote {json_out} and {json_out.with_suffix('.png')}")
-        return
-    print_bench(summary)
-    console.print(f"wrote {json_out}")
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency takes comma-separated whole numbers like 1,2,4,8, got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency levels must be >= 1, got {text!r}")
-    return levels
-
-
-@app.command()
-def warmup(
-    out_dir: Annotated[Path, typer.Option("--out", help="folder the trained head is written to")],
-    target: TargetOpt = "default",
-    dtype: DtypeOpt = "bfloat16",
-    steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 3000,
-    batch_size: Annotated[int, typer.Option(min=1, help="start positions per step")] = 256,
-    lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
-    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
-    depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = CHAIN_DEPTH,
-    vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = 8192,
-    per_domain: Annotated[int, typer.Option(min=1, help="chat and code warm-up queries each")] = 600,
-    extra_chat: Annotated[int, typer.Option(min=0, help="more chat warm-up queries (a separate cached part)")] = 1200,
-    extra_code: Annotated[int, typer.Option(min=0, help="more code warm-up queries (a separate cached part)")] = 374,
-    math_languages: Annotated[str, typer.Option(help="comma-separated GSM-Symbolic languages besides English ('' for none)")] = "deu,fra,spa",
-    math_samples: Annotated[int, typer.Option(min=0, help="sampled answers per English maths problem")] = 3,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens the target writes per warm-up query")] = 128,
-) -> None:
-    """Build a feature-head draft for a target: the target answers warm-up queries (batched, cached),
-    then the head is distilled on them. Stop it at any time; the same command resumes."""
-    import dataclasses
-
-    from onlinespec.drafts.warmup import HeadRecipe, WarmupData, warm_feature_head
-    from onlinespec.models import load_model
-
-    loaded = _user_errors(lambda: load_model(target, dtype))
-    recipe = _user_errors(lambda: HeadRecipe(vocab_size=vocab_size, depth=depth, steps=steps, batch_size=batch_size, lr=lr, loss=loss))
-    languages = tuple(lang for lang in math_languages.split(",") if lang)
-    data = dataclasses.replace(
-        WarmupData(), per_domain=per_domain, extra_chat=extra_chat, extra_code=extra_code,
-        math_languages=languages, math_samples=math_samples, max_new_tokens=max_new_tokens,
-    )
-    meta = _user_errors(lambda: warm_feature_head(loaded, str(out_dir), recipe, data))
-    meta["command"] = command_line(sys.argv[1:])
-    (out_dir / "warmup.json").write_text(json.dumps(meta, indent=2))
-    for domain, fig in meta["heldout"].items():
-        console.print(f"{domain:6s} step acceptance {fig['step_acceptance']}  accepted per round (k=1..) {fig['accepted_per_round']}")
-    console.print(f"wrote {out_dir}")
-
-
-@app.command()
-def distill(
-    json_out: Annotated[Path, typer.Option("--json", help="where the held-out evaluation goes")],
-    start: Annotated[str, typer.Option(help="head folder to start from")],
-    domain: Annotated[str, typer.Option(help="chat, code or math: the domain to specialise on")],
-    signal: Annotated[str, typer.Option(help="teacher, student, mixed or fixed")] = "teacher",
-    loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="also save the distilled head here")] = None,
-    target: TargetOpt = "default",
-    dtype: DtypeOpt = "bfloat16",
-    queries: Annotated[int, typer.Option(min=1, help="warm-up queries of the domain to learn from")] = 200,
-    steps: Annotated[int, typer.Option(min=1)] = 300,
-    lr: Annotated[float, typer.Option(min=0.0)] = 3e-4,
-    mix_ratio: Annotated[float, typer.Option(min=0.0, max=1.0, help="mixed: share of tokens from the student")] = 0.5,
-) -> None:
-    """Distil one configuration (signal x loss) from a starting head on one domain, and report
-    held-out acceptance per domain (one cell of Table 1)."""
-    from onlinespec.drafts.specialise import DistillRun, run_distill
-    from onlinespec.models import load_model
-
-    loaded = _user_errors(lambda: load_model(target, dtype))
-    run = _user_errors(lambda: DistillRun(domain=domain, signal=signal, loss=loss, queries=queries, steps=steps, lr=lr, mix_ratio=mix_ratio))
-    result = _user_errors(lambda: run_distill(loaded, start, run, out_dir))
-    result["command"] = command_line(sys.argv[1:])
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(result, indent=2))
-    console.print(json.dumps(result["heldout"], indent=1))
-
 
 # The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
 CORE_OPTIONS: dict[str, tuple] = {
@@ -289,7 +107,7 @@ def with_core_options(command):
     @functools.wraps(command)
     def wrapper(**kwargs):
         options = {name: kwargs.pop(name) for name in CORE_OPTIONS}
-        return command(**kwargs, core=_user_errors(lambda: _core_config(options)))
+        return command(**kwargs, core=user_errors(lambda: _core_config(options)))
 
     wrapper.__signature__ = signature.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + shared)
     return wrapper
@@ -331,14 +149,14 @@ def serve(
     from onlinespec.serve.server import serve as run_server
 
     scale = _scale_config(core, replicas, ray_address, replica_cpus, learner_cpus, learner_groups) if replicas is not None else None
-    names = _user_errors(lambda: served_names(served_model_name))
-    core = _user_errors(lambda: vllm_options(core, model, names, max_model_len))
+    names = user_errors(lambda: served_names(served_model_name))
+    core = user_errors(lambda: vllm_options(core, model, names, max_model_len))
     core = replace(core, static_baseline=static_baseline, log_text=log_text)
     api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
     if len(admin_keys) > 1:
         console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
         raise typer.Exit(2)
-    logs = _user_errors(lambda: LogSettings(log_level, log_format))
+    logs = user_errors(lambda: LogSettings(log_level, log_format))
     private_files()
     name = core.model_name
     settings = ServerSettings(model_name=name, aliases=tuple(names[1:]), api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
@@ -353,7 +171,7 @@ def serve(
         from onlinespec.scale import RayCore
 
         make_core = functools.partial(RayCore, core, out_dir, scale)
-    _user_errors(lambda: run_server(make_core, host, port, settings, logs))
+    user_errors(lambda: run_server(make_core, host, port, settings, logs))
 
 
 def _scale_config(core: CoreConfig, replicas: int, *resources):
@@ -363,7 +181,7 @@ def _scale_config(core: CoreConfig, replicas: int, *resources):
     except ImportError as err:
         console.print(f"[red]error:[/red] --replicas needs Ray ({err}): pip install 'onlinespec[ray]'")
         raise typer.Exit(2) from None
-    scale = _user_errors(lambda: ScaleConfig(replicas, *resources))
+    scale = user_errors(lambda: ScaleConfig(replicas, *resources))
     if core.router == "content":
         console.print("[red]error:[/red] content routing runs in a single process for now: with --replicas use --router domain or single")
         raise typer.Exit(2)
@@ -375,7 +193,7 @@ def _keys(value: str | None, path: Path | None, option: str) -> list[str]:
     environment variable; a key typed on the command line works but is visible to every user of
     the machine in ``ps``."""
     if path is not None:
-        keys = [line.strip() for line in _user_errors(lambda: path.read_text()).splitlines() if line.strip()]
+        keys = [line.strip() for line in user_errors(lambda: path.read_text()).splitlines() if line.strip()]
         if not keys:
             console.print(f"[red]error:[/red] {path} is empty: write the key in it")
             raise typer.Exit(2)
@@ -443,9 +261,9 @@ def demo(
     from onlinespec.stream import HTTPClient, OnlineConfig, drive
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
-    blocks = _user_errors(lambda: _blocks(per_domain, names))
-    pools = _user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
-    queries = _user_errors(lambda: abrupt_shifts(pools, blocks, seed=0))
+    blocks = user_errors(lambda: _blocks(per_domain, names))
+    pools = user_errors(lambda: {d: split(q, "online") for d, q in stream_pools(names).items()})
+    queries = user_errors(lambda: abrupt_shifts(pools, blocks, seed=0))
     private_files()
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "run").exists():  # a demo starts from the packaged draft every time (`online` resumes instead)
@@ -496,12 +314,12 @@ def online(
     from onlinespec.data import read_queries_jsonl
     from onlinespec.stream import OnlineConfig, run_stream
 
-    queries = _user_errors(lambda: read_queries_jsonl(stream))
+    queries = user_errors(lambda: read_queries_jsonl(stream))
     private_files()
     if not queries:
         console.print(f"[red]error:[/red] {stream} holds no queries: write one JSON object per line (see `onlinespec data stream`)")
         raise typer.Exit(2)
-    config = _user_errors(lambda: OnlineConfig(core, max_new_tokens, concurrency, compare_every))
+    config = user_errors(lambda: OnlineConfig(core, max_new_tokens, concurrency, compare_every))
     label = "online" if core.learn else "static"
     _serve_with_progress(queries, config, out_dir, json_out, f"{label} draft {core.draft}, k = {core.k}, {concurrency} in flight",
                          lambda on_request, say: run_stream(queries, config, out_dir, on_request, say), learn=core.learn)
@@ -529,7 +347,7 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
                 info += f"  | this request {row['tokens_per_s']:.1f} tok/s, static {row['static']['tokens_per_s']:.1f}"
             progress.update(task, advance=1, info=info)
 
-        result = _user_errors(lambda: run(on_request, lambda text: progress.update(task, info=text)))
+        result = user_errors(lambda: run(on_request, lambda text: progress.update(task, info=text)))
     result["command"] = command_line(sys.argv[1:])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2))
@@ -572,7 +390,7 @@ def report(
             results[label] = json.loads(Path(path).read_text())
         return results
 
-    path = write_report(_user_errors(load), out_dir, title, command_line(sys.argv[1:]))
+    path = write_report(user_errors(load), out_dir, title, command_line(sys.argv[1:]))
     console.print(f"wrote {path}")
 
 
@@ -589,209 +407,11 @@ def routing_report_command(
     if not (out_dir / "events.jsonl").exists():
         console.print(f"[red]error:[/red] {out_dir} has no events.jsonl: give the --out-dir a server wrote")
         raise typer.Exit(2)
-    counts = _user_errors(lambda: routing_report(out_dir, path))
+    counts = user_errors(lambda: routing_report(out_dir, path))
     console.print(f"wrote {path}: {counts}")
-    _routing_table(out_dir)
+    routing_table(out_dir)
 
 
-@app.command()
-def costmodel(
-    alpha: Annotated[float, typer.Option(min=0.0, max=1.0)],
-    c: Annotated[float, typer.Option(min=0.0, help="draft step time / target step time")],
-    verify_cost: Annotated[float, typer.Option(min=0.0, help="verification pass / one target step")] = 1.0,
-    k_max: Annotated[int, typer.Option(min=1)] = 10,
-) -> None:
-    """Print the paper's expected tokens per round and speedup for k = 1..k_max."""
-    from onlinespec import costmodel as cm
-
-    table = Table(title=f"alpha {alpha}, c {c}, verify cost {verify_cost}")
-    for col in ("k", "tokens/round", "speedup"):
-        table.add_column(col, justify="right")
-    for kk in range(1, k_max + 1):
-        table.add_row(str(kk), f"{cm.expected_tokens_per_round(alpha, kk):.3f}", f"{cm.speedup(alpha, kk, c, verify_cost):.3f}")
-    out.print(table)
-    out.print(f"best k: {cm.best_k(alpha, c, k_max, verify_cost)}")
-
-
-RegistryOpt = Annotated[Path, typer.Option("--dir", exists=True, file_okay=False, help="<online --out-dir>/drafts (every draft), or one draft's registry")]
-DraftNameOpt = Annotated[Optional[str], typer.Option("--draft", help="which draft, when --dir holds several (one per domain)")]
-
-
-def _registries(directory: Path, name: str | None = None) -> dict:
-    """{draft name: registry}: ``directory`` itself when it is a registry, else every draft
-    registry in it (an online run's drafts/ folder holds one per routed draft)."""
-    from onlinespec.online.registry import DraftRegistry
-
-    if (directory / "CURRENT").exists():
-        return {directory.name: DraftRegistry(directory)}
-    found = {p.name: DraftRegistry(p) for p in sorted(directory.iterdir()) if (p / "CURRENT").exists()}
-    if not found:
-        raise ValueError(f"{directory} holds no draft registry: pass <online --out-dir>/drafts or one draft's folder in it")
-    if name is not None:
-        if name not in found:
-            raise ValueError(f"no draft {name!r} in {directory}; drafts: {', '.join(found)}")
-        return {name: found[name]}
-    return found
-
-
-@drafts_app.command("list")
-def drafts_list(directory: RegistryOpt = Path("runs/online/drafts"), draft: DraftNameOpt = None) -> None:
-    """Every published version of every draft, with its parent, records seen, loss and alpha before/after."""
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
-    for name, registry in _user_errors(lambda: _registries(directory, draft)).items():
-        current = registry.current()
-        table = Table(title=f"draft {name} ({registry.directory})")
-        for col in ("version", "parent", "records seen", "loss before", "loss after", "alpha before", "alpha after", "note"):
-            table.add_column(col, justify="right")
-        for version in registry.versions():
-            meta = registry.meta(version)
-            label = f"* {version}" if version == current else version
-            table.add_row(label, *(fmt(meta.get(k)) for k in ("parent", "records_seen", "loss_before", "loss_after", "alpha_before", "alpha_after", "note")))
-        out.print(table)
-        out.print(f"serving: {current or '-'} (* above)")
-    _routing_table(directory.parent)
-
-
-def _routing_table(out_dir: Path) -> None:
-    """Content routing's lifecycle and clusters, as the server last saved them (``routing.json``)."""
-    from onlinespec.routing.lifecycle import ROUTING_FILE
-
-    path = out_dir / ROUTING_FILE
-    if not path.exists():
-        return
-    state = json.loads(path.read_text())
-    table = Table(title=f"content routing ({path}): {state['router']['requests']} requests routed")
-    for col in ("draft", "state", "clusters (members)"):
-        table.add_column(col)
-    clusters = [c for c in state["router"]["clusters"] if c["live"]]
-    names = [*state.get("in_memory", []), *state.get("evicted", []), *state.get("retired", {})]
-    for name in dict.fromkeys(names):
-        where = ("retired: " + state["retired"][name]) if name in state.get("retired", {}) else (
-            "evicted (in its registry)" if name in state.get("evicted", []) else "in memory")
-        served = ", ".join(f"{c['id']} ({c['members']})" for c in clusters if c["draft"] == name) or "-"
-        table.add_row(name, where, served)
-    out.print(table)
-    out.print(f"lifecycle: {state.get('lifecycle', {})}; detections: {state.get('detections', {})}")
-
-
-@drafts_app.command("rollback")
-def drafts_rollback(
-    directory: RegistryOpt = Path("runs/online/drafts"),
-    draft: DraftNameOpt = None,
-    to: Annotated[Optional[str], typer.Option(help="the version to serve (default: the current one's parent)")] = None,
-) -> None:
-    """Serve an earlier version: the current one's parent, or the one named with --to. A process
-    serving from this folder takes it within a second (its update in flight publishes nothing);
-    the next run on the same --out-dir starts from it."""
-    registries = _user_errors(lambda: _registries(directory, draft))
-    if len(registries) > 1:
-        console.print(f"[red]error:[/red] {directory} holds {len(registries)} drafts ({', '.join(registries)}): name one with --draft")
-        raise typer.Exit(2)
-    (name, registry), = registries.items()
-    before = registry.current()
-    version = _user_errors(lambda: registry.set_current(to) or to if to else registry.rollback())
-    console.print(f"draft {name}: serving {version} (was {before})")
-
-
-@data_app.command("list")
-def data_list() -> None:
-    """List the packaged data sources."""
-    from onlinespec.data import SOURCES
-
-    table = Table("source", "description")
-    for name, source in SOURCES.items():
-        table.add_row(name, source.description)
-    out.print(table)
-
-
-@data_app.command("export")
-def data_export(
-    out: Annotated[Path, typer.Option(help="JSONL file to write")],
-    n: Annotated[int, typer.Option(min=1, help="number of prompts, spread evenly over the domains")] = 60,
-    domains: Annotated[str, typer.Option(help="comma-separated")] = "chat,code,math",
-    seed: int = 0,
-    max_new_tokens: Annotated[Optional[int], typer.Option(min=1)] = None,
-    split_name: Annotated[Optional[str], typer.Option("--split", help="warmup, online or heldout queries only (default: any)")] = None,
-) -> None:
-    """Export packaged real prompts as a JSONL prompt file (for bench and generate)."""
-    import dataclasses
-
-    from onlinespec.data import packaged_prompts, write_queries_jsonl
-
-    queries = _user_errors(lambda: packaged_prompts(n, tuple(domains.split(",")), seed=seed, split=split_name))
-    if max_new_tokens:
-        queries = [dataclasses.replace(q, max_new_tokens=max_new_tokens) for q in queries]
-    write_queries_jsonl(out, queries)
-    console.print(f"wrote {len(queries)} prompts to {out}")
-
-
-@data_app.command("stream")
-def data_stream(
-    out: Annotated[Path, typer.Option(help="JSONL file to write")],
-    domains: Annotated[str, typer.Option(help="comma-separated, in stream order: chat, code, math, math_ml (maths in 23 languages), stdlib (standard-library functions to complete)")] = "math,code,chat",
-    schedule: Annotated[str, typer.Option(help="abrupt (shift every N), gradual (mix across each block) or random")] = "abrupt",
-    every: Annotated[int, typer.Option(min=1, help="queries per domain block")] = 100,
-    split_name: Annotated[str, typer.Option("--split", help="warmup, online or heldout queries only")] = "online",
-    seed: int = 0,
-) -> None:
-    """Export a query stream of packaged real data with a domain-shift schedule."""
-    from onlinespec.data import write_queries_jsonl
-    from onlinespec.data.sources import stream_pools
-    from onlinespec.data.splits import split
-    from onlinespec.data.streams import abrupt_shifts, gradual_mix, random_mix
-
-    def build():
-        pools = {d: split(pool, split_name) for d, pool in stream_pools(domains.split(",")).items()}
-        if schedule == "abrupt":
-            return abrupt_shifts(pools, every, seed)
-        if schedule == "gradual":
-            return gradual_mix(pools, every, seed)
-        if schedule == "random":
-            return random_mix(pools, every * len(pools), seed=seed)
-        raise ValueError(f"unknown schedule {schedule!r}: use abrupt, gradual or random")
-
-    queries = _user_errors(build)
-    write_queries_jsonl(out, queries)
-    console.print(f"wrote {len(queries)} queries to {out}")
-
-
-@data_app.command("purge")
-def data_purge(
-    out_dir: Annotated[Path, typer.Option(exists=True, file_okay=False, help="the --out-dir of `onlinespec serve` or `online`")],
-    request_id: Annotated[Optional[str], typer.Option(help="delete this request's training records (the id clients sent as X-Request-Id)")] = None,
-    older_than_days: Annotated[Optional[float], typer.Option(min=0.0, help="delete the records older than this many days")] = None,
-) -> None:
-    """Delete a request's traces (or those older than a number of days) from everything the out-dir keeps: every
-    draft's replay buffer and suffix index, the content router's state and every event log. A server running on
-    --out-dir holds it: ask it instead (POST /admin/data/purge, same fields)."""
-    from onlinespec.online.pool import purge_saved
-    from onlinespec.storage import OutDirBusy, OutDirLock
-
-    if (request_id is None) == (older_than_days is None):
-        console.print("[red]error:[/red] give exactly one of --request-id and --older-than-days")
-        raise typer.Exit(2)
-    try:
-        lock = OutDirLock(out_dir).acquire()
-    except OutDirBusy as err:
-        console.print(f"[red]error:[/red] {err}. While it serves, ask it: POST /admin/data/purge with "
-                      '{"request_id": ...} or {"older_than_days": ...} (admin key)')
-        raise typer.Exit(2) from None
-    try:
-        before = None if older_than_days is None else time.time() - older_than_days * 86400.0
-        gone = purge_saved(out_dir, request_id, before)
-        removed = gone["records"]
-        with open(out_dir / "events.jsonl", "a") as log:
-            log.write(json.dumps({"event": "purge", "request_id": request_id, "older_than_days": older_than_days,
-                                  "records": sum(removed.values()), "suffix_requests": gone["suffix_requests"],
-                                  "by": "onlinespec data purge", "time": time.time()}) + "\n")
-    finally:
-        lock.release()
-    out.print(f"deleted {sum(removed.values())} records ({', '.join(f'{k}: {v}' for k, v in removed.items()) or 'no buffers'}), "
-              f"{gone['suffix_requests']} requests from the suffix indices, {gone['routing_prompts']} prompts from the "
-              f"content router's state and {gone['event_lines']} event-log lines")
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 @app.command("fetch-default")
@@ -808,99 +428,3 @@ def fetch_default() -> None:
     if subprocess.run(command).returncode != 0:
         raise typer.Exit(1)
     console.print(f"the default target: {default_gguf_path()}")
-
-
-def _sampling(max_new_tokens, temperature, top_p, top_k, seed, stop):
-    from onlinespec.decoding.sampling import SamplingParams
-
-    return _user_errors(lambda: SamplingParams(max_new_tokens, temperature, top_p, top_k, stop, seed))
-
-
-def _user_errors(fn):
-    """Run ``fn``; turn a bad-input error into a clear message and exit code 2."""
-    from onlinespec.serve.handles import LoadFailed
-    from onlinespec.storage import OutDirBusy
-
-    try:
-        return fn()
-    except (ValueError, FileNotFoundError, OutDirBusy, LoadFailed) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
-
-
-def _run_bench(queries, config, target=None) -> dict:
-    from onlinespec.benchmark import run_bench
-
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task(f"bench {config.draft} k={config.k}", total=len(queries), info="")
-
-        def on_prompt(i, result):
-            rate = {m: result.new_tokens[m] / result.seconds[m] for m in result.seconds}
-            info = "  ".join(f"{m} {r:.1f} tok/s" for m, r in rate.items()) + f"  alpha {result.acceptance_rate:.2f}"
-            progress.update(task, advance=1, info=info)
-
-        return _user_errors(lambda: run_bench(queries, config, on_prompt, target))
-
-
-def _run_concurrency_bench(queries, config, levels) -> dict:
-    from onlinespec.benchmark import run_concurrency_bench
-
-    with console.status("loading the target and measuring its cost curve") as status:
-        def on_level(level, method, fig):
-            console.print(f"concurrency {level} {method}: {fig['tokens_per_s']:.1f} tok/s, latency p50 {fig['latency_p50_s']:.2f} s, "
-                          f"alpha {fig['acceptance_rate']:.2f}, mean k {fig['mean_k']:.2f}")
-            status.update(f"concurrency {level}: {method} done")
-
-        return _user_errors(lambda: run_concurrency_bench(queries, config, levels, on_level=on_level))
-
-
-def print_concurrency(summary: dict) -> None:
-    table = Table(title=f"{summary['n_prompts']} prompts, draft {summary['config']['draft']}, k <= {summary['config']['k']}, both batched")
-    for col in ("in flight", "target alone tok/s", "ours tok/s", "ours/target", "predicted", "latency p50 / p99 (s)",
-                "TTFT p50 / p99 (s)", "alpha", "tau", "mean k", "identical"):
-        table.add_column(col, justify="right")
-    for level, fig in summary["concurrency"].items():
-        spec, alone = fig["speculative"], fig["target_alone"]
-        table.add_row(level, f"{alone['tokens_per_s']:.1f}", f"{spec['tokens_per_s']:.1f}", f"{fig['speedup_vs_target']:.2f}x",
-                      f"{fig['predicted_speedup']:.2f}x" if "predicted_speedup" in fig else "-",
-                      f"{spec['latency_p50_s']:.2f} / {spec['latency_p99_s']:.2f}", f"{spec['ttft_p50_s']:.2f} / {spec['ttft_p99_s']:.2f}",
-                      f"{spec['acceptance_rate']:.3f}", f"{spec['tau']:.2f}", f"{spec['mean_k']:.2f}",
-                      f"{spec.get('greedy_identical', '-')}/{summary['n_prompts']}")
-    out.print(table)
-
-
-def print_bench(summary: dict) -> None:
-    table = Table(title=f"{summary['n_prompts']} prompts, draft {summary['draft']}, k = {summary['k']}")
-    for col in ("domain", "n", "target alone tok/s", "ours tok/s", "HF assisted tok/s", "alpha", "tau",
-                "ours/target", "ours/HF", "predicted", "greedy identical"):
-        table.add_column(col, justify="right")
-    rows = [("all", summary)] + list(summary["domains"].items())
-    for name, fig in rows:
-        hf = fig.get("hf_assisted", {}).get("tokens_per_s")
-        spec = fig["speculative"]
-        table.add_row(
-            name,
-            str(fig["n_prompts"]),
-            f"{fig['target_alone']['tokens_per_s']:.1f}",
-            f"{spec['tokens_per_s']:.1f}",
-            f"{hf:.1f}" if hf else "-",
-            f"{spec['acceptance_rate']:.3f}",
-            f"{spec['mean_accepted_length']:.2f}",
-            f"{fig['speedup_vs_target']:.2f}x",
-            f"{fig['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in fig else "-",
-            f"{fig['predicted_speedup']:.2f}x" if "predicted_speedup" in fig else "-",
-            f"{spec.get('greedy_identical', '-')}/{fig['n_prompts']}" if "greedy_identical" in spec else "-",
-        )
-    out.print(table)
-    cost = summary.get("cost_model")
-    if cost:
-        out.print(
-            f"cost model: alpha {cost['alpha']:.3f}, c {cost['c']:.3f}, verify cost {cost['verify_cost']:.2f} -> "
-            f"predicted {cost['predicted_speedup']:.2f}x (paper's formula, verify = 1: {cost['paper_predicted_speedup']:.2f}x); "
-            f"engine overhead {summary['speculative']['engine_overhead_fraction']:.1%} of request time"
-        )
-
-
-if __name__ == "__main__":
-    app()

@@ -1,0 +1,3 @@
+from onlinespec.cli import app
+
+app()
