@@ -157,6 +157,8 @@ def serve(
         console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
         raise typer.Exit(2)
     logs = user_errors(lambda: LogSettings(log_level, log_format))
+    if scale is not None:  # the replicas log as the front does
+        scale = replace(scale, logs=logs)
     private_files()
     name = core.model_name
     settings = ServerSettings(model_name=name, aliases=tuple(names[1:]), api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,

@@ -44,6 +44,7 @@ from onlinespec.scale.metrics import ClusterMetrics
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
+from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.operations import purge_cutoff, require_learning
 from onlinespec.storage import EventLog, OutDirLock
 from onlinespec.tokens import Prompt
@@ -64,6 +65,7 @@ class ScaleConfig:
     learner_groups: int = 1  # learner actors; draft d belongs to group crc32(d) % learner_groups
     plumbing_nice: int = PLUMBING_NICE  # nice of the threads that only carry messages: the front's, and a replica's but
     # its engine's (docs/scale.md: Ray's cost on a machine that serving saturates); 0 leaves them at the caller's
+    logs: LogSettings = LogSettings()  # each replica's log (--log-level, --log-format), as the front's
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.learner_groups < 1:
@@ -198,7 +200,7 @@ class RayCore:
         cpus = scale.cpus_per_replica
         actor = replica_actor(cpus)
         self.replicas = [Replica(name, actor.options(name=replica_actor_name(name)).remote(
-            config, str(self.out_dir), name, self.learners, max(1, int(cpus)), scale.plumbing_nice)) for name in names]
+            config, str(self.out_dir), name, self.learners, max(1, int(cpus)), scale.plumbing_nice, scale.logs)) for name in names]
         for replica, state in zip(self.replicas, ray.get([r.actor.ready.remote() for r in self.replicas])):
             replica.ready, replica.pid = True, state["pid"]
             self.context = state["context"]

@@ -26,16 +26,17 @@ from onlinespec.scale.learners import RemoteLearner, group_of
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import Served, ServeError
-from onlinespec.serve.logs import configure_logging
+from onlinespec.serve.logs import LogSettings, configure_logging
 
 ACCEPTED = "accepted"  # submit's answer when the replica queued the request
 GATHER_SECONDS = 0.002  # after a wake-up, the events channel waits this long to send one step's events together
 
 
 class ReplicaService:
-    def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int, plumbing_nice: int = PLUMBING_NICE) -> None:
+    def __init__(self, config: CoreConfig, out_dir: str, replica: str, learners: list, threads: int, plumbing_nice: int = PLUMBING_NICE,
+                 logs: LogSettings | None = None) -> None:
         torch.set_num_threads(threads)
-        configure_logging()  # request log lines, as the single-process server writes them (JSON, info)
+        configure_logging(logs)  # request log lines, as the single-process server writes them (--log-level, --log-format)
         self.replica, self.learners = replica, learners
         self._open: dict[str, object] = {}  # the front's key -> the handle of a request this replica serves
         self._wake = asyncio.Event()
