@@ -192,3 +192,29 @@ def test_background_priority_lowers_only_the_calling_thread():
     assert seen["low"] == (os.SCHED_OTHER, 19)
     assert seen["normal"] == (os.SCHED_OTHER, here)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this (serving) thread is untouched
+
+
+def test_next_gate_judges_a_candidate_on_the_requests_served_after_it(tiny_llama, tmp_path):
+    """gate="next": the first update only trains (on every record); the second judges that candidate
+    on the 4 requests served since, publishes it if no worse, and trains the next one."""
+    target, draft, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", steps_per_update=10, update_interval=4)
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    for prompt in prompts(4):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    assert learner.reports == [] and learner._next.pending is not None and len(learner._next.pending.records) == 4
+    for prompt in prompts(4, seed=1):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    (report,) = learner.reports
+    assert report.outcome == ("published" if report.alpha_after >= report.alpha_before else "refused")
+    assert len(learner._next.pending.records) == 8  # the next candidate trained on every record
+
+
+def test_next_gate_refuses_a_worse_candidate(tiny_llama, tmp_path):
+    target, draft, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", lr=5.0, steps_per_update=5, update_interval=4)
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    first = learner.registry.current()
+    for prompt in prompts(8):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    (report,) = learner.reports
+    assert report.version is None and report.alpha_after < report.alpha_before
+    assert learner.registry.versions() == [first] and proposer.version == first

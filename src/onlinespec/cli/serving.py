@@ -56,6 +56,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "learn_share": (Annotated[float, typer.Option(min=0.0, max=1.0, help="under load, the most of the engine's wall time draft updates take: they "
                                                   "compute in turns the engine gives them, never beside a step (idle: all of it); "
                                                   "0: in a thread beside serving, at --priority")], CoreConfig.learn_share),
+    "gate": (Annotated[str, typer.Option(help="judge a candidate on the newest records held out of its training ('holdout') or train it on every "
+                                               "record and judge it on the requests served next ('next': docs/faster-drafts.md, section 3)")], LearnerConfig.gate),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "
                                                "'content': drafts for clusters of prompts, no labels needed (docs/routing.md)")], CoreConfig.router),
@@ -85,7 +87,7 @@ def _core_config(o: dict) -> CoreConfig:
     learner = LearnerConfig(
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"], batch_size=o["batch_size"],
-        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate_by=o["gate_by"],
+        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",

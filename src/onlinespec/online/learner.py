@@ -38,6 +38,7 @@ from onlinespec.decoding.speculative import Generation
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
+from onlinespec.online.gate import NextGate
 from onlinespec.online.learnable import LearnableDraft, learnable
 from onlinespec.online.recorder import POSITION_POLICIES, SAMPLING_MODES, records_from_generation
 from onlinespec.online.registry import DraftRegistry
@@ -71,6 +72,8 @@ class LearnerConfig:
     cold_lr: float = 1e-3  # a draft that starts from nothing (a fresh head): the offline warm-up's rate (docs/drafts.md)
     gate_fraction: float = 0.2  # the newest share of the buffer's records, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
+    gate: str = "holdout"  # holdout: judge on the newest gate_fraction held out of training; next: train on
+    # every record, judge on the records served after it (onlinespec.online.gate)
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
     # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
     # worse); newest: the newest share of all records, judged pooled
@@ -98,6 +101,8 @@ class LearnerConfig:
             raise ValueError(f"unknown interval unit {self.interval_unit!r}: use one of {UNITS}")
         if self.sampling not in SAMPLING_MODES:
             raise ValueError(f"unknown sampling mode {self.sampling!r}: use one of {SAMPLING_MODES}")
+        if self.gate not in ("holdout", "next"):
+            raise ValueError(f"gate must be 'holdout' or 'next', got {self.gate!r}")
         if self.gate_by not in ("domain", "newest"):
             raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
         if self.priority not in PRIORITIES:
@@ -193,6 +198,7 @@ class OnlineLearner:
         self._latest = (proposer.model, proposer.version)
         self._current = proposer.version  # the version this process last made CURRENT
         self._optimizer_state: dict | None = None  # the optimizer of the newest published draft
+        self._next = NextGate()  # gate="next": the candidate waiting for the requests served after it
 
     def _recover(self) -> str | None:
         """A restart (or a rollback): serve the registry's current version, not the starting
@@ -449,9 +455,15 @@ class OnlineLearner:
         if len(records) < 2:
             return
         self.on_event({"event": "update_start", "records": len(records), "parent": self._latest[1], "time": time.time()})
-        train, groups = self._held_out(records)
         serving, parent = self._latest
-        trained = self._train(serving, train)
+        if self.config.gate == "next":  # judge the pending candidate on the records served since it trained
+            trained = self._next.take(records, parent, self.config.gate_by)
+            if trained is None:
+                return self._next.train(self, records)
+            *trained, groups = trained
+        else:
+            train, groups = self._held_out(records)
+            trained = self._train(serving, train)
         if trained is None:  # no example to train on, or cancelled
             return
         candidate, optimizer, examples = trained
@@ -476,6 +488,8 @@ class OnlineLearner:
                               seconds, examples, by_domain, time.time(), outcome, seconds - self._waited)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
+        if self.config.gate == "next":
+            self._next.train(self, records)  # the next candidate, from what serves now
 
     def _train(self, serving, records: list):
         """Train a private copy of ``serving`` on ``records``: (candidate, optimizer, examples
