@@ -268,9 +268,9 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
                     f"{agreed} / {r['updates']} | {r['perfect_gate_expected']} | {agreed_decidable} / {decidable} | {r['truth_abs_change_median']:.4f} / {r['truth_se_median']:.4f} | "
                     f"{r['heldout_hybrid_alpha']:.3f} | {r['heldout_head_alpha']:.3f} |")
     lines = [
-        f"| row | gate that decides | published / candidates | candidates that helped (truth) | gate agreed with truth | a perfect gate's expected agreement | "
-        f"agreed on decidable candidates | truth change / its s.e. (medians) | held-out hybrid alpha (packaged {packaged['hybrid']:.3f}) | "
-        f"held-out head alpha (packaged {packaged['head']:.3f}) |",
+        (f"| row | gate that decides | published / candidates | candidates that helped (truth) | gate agreed with truth | a perfect gate's expected agreement | "
+         f"agreed on decidable candidates | truth change / its s.e. (medians) | held-out hybrid alpha (packaged {packaged['hybrid']:.3f}) | "
+         f"held-out head alpha (packaged {packaged['head']:.3f}) |"),
         "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "| rule (scored in the shadow of every row) | agreed with truth, all candidates | on decidable candidates |", "|---|---|---|",
         *(f"| {name} | {t[0]} / {t[1]} | {t[2]} / {t[3]} |" for name, t in per_rule.items() if t[1]),

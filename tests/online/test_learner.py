@@ -197,7 +197,7 @@ def test_background_priority_lowers_only_the_calling_thread():
 def test_next_gate_judges_a_candidate_on_the_requests_served_after_it(tiny_llama, tmp_path):
     """gate="next": the first update only trains (on every record); the second judges that candidate
     on the 4 requests served since, publishes it if no worse, and trains the next one."""
-    target, draft, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", steps_per_update=10, update_interval=4)
+    target, _, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", steps_per_update=10, update_interval=4)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     for prompt in prompts(4):
         learner.observe(decoder.generate(prompt, PARAMS, trace=True))
@@ -210,7 +210,7 @@ def test_next_gate_judges_a_candidate_on_the_requests_served_after_it(tiny_llama
 
 
 def test_next_gate_refuses_a_worse_candidate(tiny_llama, tmp_path):
-    target, draft, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", lr=5.0, steps_per_update=5, update_interval=4)
+    target, _, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", lr=5.0, steps_per_update=5, update_interval=4)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     first = learner.registry.current()
     for prompt in prompts(8):
