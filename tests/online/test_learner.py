@@ -35,6 +35,12 @@ def prompts(n, seed=0):
     return [torch.randint(0, 32, (6,), generator=gen).tolist() for _ in range(n)]
 
 
+def serve(learner, decoder, n, seed=0) -> None:
+    """``n`` requests decoded and handed to the learner, as the serving core does."""
+    for prompt in prompts(n, seed=seed):
+        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+
+
 def test_learning_online_raises_acceptance_and_keeps_output_exact(tiny_llama, tmp_path):
     target, draft, proposer, learner = setup(tiny_llama, tmp_path)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
@@ -64,8 +70,7 @@ def test_gate_refuses_a_worse_candidate(tiny_llama, tmp_path):
     target, draft, proposer, learner = setup(tiny_llama, tmp_path, background=False, lr=5.0, steps_per_update=5)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     first = learner.registry.current()
-    for prompt in prompts(8):
-        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    serve(learner, decoder, 8)
     (report,) = learner.reports
     assert report.version is None and report.alpha_after < report.alpha_before
     assert learner.registry.versions() == [first] and proposer.version == first and proposer.model is draft
@@ -199,11 +204,9 @@ def test_next_gate_judges_a_candidate_on_the_requests_served_after_it(tiny_llama
     on the 4 requests served since, publishes it if no worse, and trains the next one."""
     target, _, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", steps_per_update=10, update_interval=4)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
-    for prompt in prompts(4):
-        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    serve(learner, decoder, 4)
     assert learner.reports == [] and learner._next.pending is not None and len(learner._next.pending.records) == 4
-    for prompt in prompts(4, seed=1):
-        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    serve(learner, decoder, 4, seed=1)
     (report,) = learner.reports
     assert report.outcome == ("published" if report.alpha_after >= report.alpha_before else "refused")
     assert len(learner._next.pending.records) == 8  # the next candidate trained on every record
@@ -213,8 +216,7 @@ def test_next_gate_refuses_a_worse_candidate(tiny_llama, tmp_path):
     target, _, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", lr=5.0, steps_per_update=5, update_interval=4)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     first = learner.registry.current()
-    for prompt in prompts(8):
-        learner.observe(decoder.generate(prompt, PARAMS, trace=True))
+    serve(learner, decoder, 8)
     (report,) = learner.reports
     assert report.version is None and report.alpha_after < report.alpha_before
     assert learner.registry.versions() == [first] and proposer.version == first
