@@ -1,22 +1,29 @@
 """Cold start: a draft that learns the target from nothing, beside the packaged head, under open-loop load.
 
-The default target (on the backend that serves by default), three servers one after the other,
-each fed the same trace of held-out requests (chat, code and maths in turn) arriving as a Poisson
+The default target (on the backend that serves by default), one server per configuration, all
+fed the same trace of online-split requests (chat, code and maths in turn) arriving as a Poisson
 process, open loop as vLLM's serving benchmark does with ``--request-rate``, at ``--load`` times the
 target alone's measured capacity (requests per second at ``--max-batch`` in flight, greedy):
 
 - ``fresh``: ``--draft hybrid:fresh``, n-gram lookup + suffix index + a head born from the
   target (its vocabulary from the served text), learning from the first request;
 - ``packaged``: ``--draft hybrid``, the same with the packaged head (trained offline), learning;
-- ``suffix``: ``--draft suffix``, n-gram lookup + suffix index only (learning: the index).
+- ``suffix``: ``--draft suffix``, n-gram lookup + suffix index only (learning: the index);
+- ``alone``: ``--draft none``, the target alone (nothing to learn: it serves every
+  ``--alone-every``-th block only).
+
+**Interleaved in blocks**, so that the machine's drift (2-3x within an hour here) falls on every
+configuration alike: all servers start, then are paused (SIGSTOP); block after block of
+``--block`` requests, each configuration in turn (the order rotating by block) is resumed, served
+that block's arrivals (the same gaps), waited for, and paused again. A server's learning runs only
+while it is resumed, in the engine's idle time and its ``--learn-share`` under load, as it would
+in a run of its own; the pauses only stop its clock.
 
 Every request is greedy and streamed through the real ``openai`` client on 127.0.0.1; the server's
 event log gives each request's acceptance (alpha), tokens per target forward (tau) and timings.
-Reported by block of ``--block`` requests. Acceptance and tau do not depend on the machine's
-speed; TTFT and TPOT do, and the servers run one after the other (not interleaved): read them
-as indicative on this machine, whose speed drifts 2-3x within an hour.
+Reported by block::
 
-    python bench/cold_start.py --n 200                 # ~30 min on 2 cores
+    python bench/cold_start.py --n 1000                # ~65 min on 2 cores
     python bench/cold_start.py --report-only           # rewrite docs/cold-start.png from the JSON
 
 Writes docs/cold-start.json and docs/cold-start.png; docs/online-learning.md quotes them.
@@ -25,10 +32,12 @@ Writes docs/cold-start.json and docs/cold-start.png; docs/online-learning.md quo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import random
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -38,18 +47,75 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "bench"))
 
-CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"]}
+CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
+           "alone": ["--draft", "none"]}
+DOMAINS = ("chat", "code", "math_ml")
+
+
+def online_split(n: int) -> list:
+    """``n`` online-split requests (the traffic a server learns from), chat, code and maths in 23 languages in turn."""
+    from onlinespec.data.sources import stream_pools
+    from onlinespec.data.splits import split
+
+    pools = {d: split(q, "online") for d, q in stream_pools(DOMAINS).items()}
+    for d, pool in pools.items():
+        random.Random(f"0:{d}").shuffle(pool)
+    per = -(-n // len(DOMAINS))
+    short = {d: len(p) for d, p in pools.items() if len(p) < per}
+    if short:
+        raise SystemExit(f"--n {n} needs {per} requests per domain; the online split holds {short}")
+    return [pools[DOMAINS[i % len(DOMAINS)]][i // len(DOMAINS)] for i in range(n)]
+
+
+class Paused:
+    """A started server, paused (SIGSTOP) except while it serves a block."""
+
+    def __init__(self, name: str, server) -> None:
+        import openai
+
+        self.name, self.server = name, server
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
+        self.model = self.client.models.list().data[0].id
+        self.rows: dict[int, dict] = {}
+        self.pause()
+
+    def pause(self) -> None:
+        self.server.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.server.process.send_signal(signal.SIGCONT)
+
+    def play(self, queries, indices: list[int], arrivals: list[float], max_tokens: int) -> float:
+        """Serve ``indices`` at their arrival gaps (open loop), wait for every answer; wall seconds."""
+        from serve_load import send
+
+        self.resume()
+        start, threads = time.perf_counter(), []
+        offset = arrivals[indices[0]]
+
+        def one(i: int) -> None:
+            self.rows[i] = send(self.client, self.model, queries[i], max_tokens, headers={"X-Request-Id": f"cold-{i}"})
+
+        for i in indices:
+            time.sleep(max(0.0, start + arrivals[i] - offset - time.perf_counter()))
+            thread = threading.Thread(target=one, args=(i,), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+        self.pause()
+        return time.perf_counter() - start
 
 
 def capacity(args, queries, out: Path) -> float:
     """The target alone's requests per second at ``--max-batch`` in flight (closed loop)."""
     import openai
-
-    from onlinespec.serve.server import ServerProcess
     from serve_load import run_level
 
-    with ServerProcess(["--draft", "none", "--out-dir", str(out / "alone"), "--max-batch", str(args.max_batch)],
-                       log=out / "alone.log") as server:
+    from onlinespec.serve.server import ServerProcess
+
+    with ServerProcess(["--draft", "none", "--out-dir", str(out / "probe"), "--max-batch", str(args.max_batch)],
+                       log=out / "probe.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         level = run_level(client, model, queries, args.max_tokens, args.max_batch)
@@ -58,67 +124,90 @@ def capacity(args, queries, out: Path) -> float:
     return level["requests_per_s"]
 
 
-def open_loop(name: str, args, queries, arrivals: list[float], out: Path) -> list[dict]:
-    """Serve ``queries`` arriving at ``arrivals`` (seconds from the start); each request's figures."""
-    import openai
-
+def interleaved(names: list[str], args, queries, arrivals: list[float], out: Path) -> dict:
+    """Every configuration over the trace, block by block in turn; {name: (rows, updates, controller events)}."""
     from onlinespec.serve.server import ServerProcess
-    from serve_load import send
 
-    shutil.rmtree(out / name, ignore_errors=True)  # every run starts from nothing learnt
-    server_args = [*CONFIGS[name], "--out-dir", str(out / name), "--max-batch", str(args.max_batch), "--max-waiting", "512",
-                   *args.server_args]
-    sent: dict[str, dict] = {}
-    with ServerProcess(server_args, log=out / f"{name}.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
-        model = client.models.list().data[0].id
-        start = time.perf_counter()
-        threads = []
-
-        def one(i: int) -> None:
-            q = queries[i]
-            sent[q.id] = {"i": i, **send(client, model, q, args.max_tokens, headers={"X-Request-Id": f"cold-{i}"})}
-
-        for i, at in enumerate(arrivals):
-            time.sleep(max(0.0, start + at - time.perf_counter()))
-            thread = threading.Thread(target=one, args=(i,), daemon=True)
-            thread.start()
-            threads.append(thread)
-            if i % args.block == args.block - 1:
-                print(f"[{name}] {i + 1}/{len(arrivals)} sent, {len(sent)} answered, {time.perf_counter() - start:.0f} s", flush=True)
-        for thread in threads:
-            thread.join()
-    logged = [json.loads(line) for line in (out / name / "events.jsonl").read_text().splitlines()]
-    served = [e for e in logged if e["event"] == "request"]
-    updates = [e for e in logged if e["event"] == "update"]
-    control = [e for e in logged if e["event"] == "learn_control"]
-    rows = []
-    for q in queries:
-        r = sent[q.id]
-        rows.append({"i": r["i"], "id": q.id, "domain": q.domain, "error": r["error"], "tokens": r["tokens"],
-                     "latency_s": r["latency_s"], "ttft_s": r["ttft_s"], "text": r["text"]})
-    by_id = {e["id"]: e for e in served}  # the server's log has each request's speculation figures
-    for row in rows:
-        event = by_id.get(f"cold-{row['i']}")
-        if event is not None:
-            row.update(alpha=event["alpha"], tau=event["tau"], draft_version=event["draft_version"])
-    print(f"[{name}] {len(updates)} updates ({sum(1 for u in updates if u.get('version'))} published), "
-          f"{len(control)} controller decisions", flush=True)
-    return sorted(rows, key=lambda r: r["i"]), updates, control
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name in names:
+            shutil.rmtree(out / name, ignore_errors=True)  # every run starts from nothing learnt
+            process = stack.enter_context(ServerProcess(
+                [*CONFIGS[name], "--out-dir", str(out / name), "--max-batch", str(args.max_batch), "--max-waiting", "512",
+                 *args.server_args], log=out / f"{name}.log"))
+            stack.callback(process.process.send_signal, signal.SIGCONT)  # resumed before it is asked to stop
+            servers[name] = Paused(name, process)
+            print(f"[{name}] ready, paused", flush=True)
+        n_blocks = -(-len(queries) // args.block)
+        started = time.perf_counter()
+        for b in range(n_blocks):
+            indices = list(range(b * args.block, min(len(queries), (b + 1) * args.block)))
+            order = names[b % len(names):] + names[: b % len(names)]
+            for name in order:
+                if name == "alone" and b % args.alone_every:
+                    continue
+                seconds = servers[name].play(queries, indices, arrivals, args.max_tokens)
+                errors = sum(servers[name].rows[i]["error"] is not None for i in indices)
+                print(f"block {b + 1}/{n_blocks} [{name}] {len(indices)} requests in {seconds:.0f} s, {errors} errors "
+                      f"({time.perf_counter() - started:.0f} s so far)", flush=True)
+    results = {}
+    for name, paused in servers.items():
+        logged = [json.loads(line) for line in (out / name / "events.jsonl").read_text().splitlines()]
+        by_id = {e["id"]: e for e in logged if e["event"] == "request"}  # the server's log has each request's speculation figures
+        rows = []
+        for i, r in sorted(paused.rows.items()):
+            row = {"i": i, "id": queries[i].id, "domain": queries[i].domain, **{k: r[k] for k in ("error", "tokens", "latency_s", "ttft_s", "text")}}
+            event = by_id.get(f"cold-{i}")
+            if event is not None:
+                row.update(alpha=event["alpha"], tau=event["tau"], draft_version=event["draft_version"])
+            rows.append(row)
+        updates = [e for e in logged if e["event"] == "update"]
+        control = [e for e in logged if e["event"] == "learn_control"]
+        print(f"[{name}] {len(updates)} updates ({sum(1 for u in updates if u.get('version'))} published), "
+              f"{len(control)} controller decisions", flush=True)
+        results[name] = rows, updates, control
+    return results
 
 
 def blocks(rows: list[dict], size: int) -> list[dict]:
     from onlinespec.metrics import percentile
 
     out = []
-    for b in range(0, len(rows), size):
-        part = [r for r in rows[b: b + size] if r["error"] is None and r["tokens"] > 1]
+    for b in sorted({r["i"] // size for r in rows}):
+        block = [r for r in rows if r["i"] // size == b]
+        part = [r for r in block if r["error"] is None and r["tokens"] > 1]
         tpot = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in part]
-        out.append({"requests": f"{b + 1}-{b + len(rows[b: b + size])}", "alpha": sum(r.get("alpha", 0) for r in part) / max(1, len(part)),
+        out.append({"requests": f"{b * size + 1}-{b * size + len(block)}", "alpha": sum(r.get("alpha", 0) for r in part) / max(1, len(part)),
                     "tau": sum(r.get("tau", 1) for r in part) / max(1, len(part)),
                     "tpot_p50_ms": 1000 * percentile(tpot, 50) if tpot else None,
                     "ttft_p50_s": percentile([r["ttft_s"] for r in part], 50) if part else None,
-                    "errors": sum(r["error"] is not None for r in rows[b: b + size])})
+                    "errors": sum(r["error"] is not None for r in block)})
+    return out
+
+
+def window(rows: list[dict], first: int, last: int) -> dict:
+    """alpha, tau (means over requests) and TPOT p50 over requests ``first``..``last`` (1-based, inclusive)."""
+    from onlinespec.metrics import percentile
+
+    part = [r for r in rows if first <= r["i"] + 1 <= last and r["error"] is None and r["tokens"] > 1]
+    if not part:
+        return {}
+    tpot = [(r["latency_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in part]
+    return {"requests": f"{first}-{last}", "n": len(part), "alpha": sum(r.get("alpha", 0) for r in part) / len(part),
+            "tau": sum(r.get("tau", 1) for r in part) / len(part), "tpot_p50_ms": 1000 * percentile(tpot, 50)}
+
+
+def verdicts(runs: dict, n: int) -> dict:
+    """The issue's cold-start targets, from the windows."""
+    out = {}
+    last = {name: run["windows"].get("last_200", {}) for name, run in runs.items()}
+    if last.get("fresh") and last.get("packaged"):
+        out["alpha_gap_last_200"] = last["packaged"]["alpha"] - last["fresh"]["alpha"]
+        out["tpot_ratio_last_200"] = last["fresh"]["tpot_p50_ms"] / last["packaged"]["tpot_p50_ms"]
+    early = {name: run["windows"].get("201_300", {}) for name, run in runs.items()}
+    if all(early.get(k) for k in ("fresh", "packaged", "suffix")):
+        gain = early["packaged"]["alpha"] - early["suffix"]["alpha"]
+        out["fresh_share_of_packaged_gain_at_300"] = (early["fresh"]["alpha"] - early["suffix"]["alpha"]) / gain if gain else None
     return out
 
 
@@ -131,68 +220,69 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, run in summary["runs"].items():
         x = [int(b["requests"].split("-")[1]) for b in run["blocks"]]
-        axes[0].plot(x, [b["alpha"] for b in run["blocks"]], marker="o", label=name)
-        axes[1].plot(x, [b["tau"] for b in run["blocks"]], marker="o", label=name)
-        axes[2].plot(x, [b["tpot_p50_ms"] for b in run["blocks"]], marker="o", label=name)
-    axes[1].axhline(1.0, color="grey", ls=":", label="target alone")
+        style = dict(marker="o", label="target alone" if name == "alone" else name, ls=":" if name == "alone" else "-")
+        if name != "alone":
+            axes[0].plot(x, [b["alpha"] for b in run["blocks"]], **style)
+        axes[1].plot(x, [b["tau"] for b in run["blocks"]], **style)
+        axes[2].plot(x, [b["tpot_p50_ms"] for b in run["blocks"]], **style)
     axes[0].set(title="acceptance (alpha) by block", xlabel="requests served", ylabel="alpha")
     axes[1].set(title="tokens per target forward (tau)", xlabel="requests served")
-    axes[2].set(title="TPOT p50 (indicative: runs one after the other)", xlabel="requests served", ylabel="ms")
+    axes[2].set(title="TPOT p50 (servers interleaved by block)", xlabel="requests served", ylabel="ms")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.suptitle(f"cold start at {summary['load']:.0%} of target-alone capacity ({summary['machine']['date']})")
+    fig.suptitle(f"cold start at {summary['load']:.0%} of target-alone capacity, {summary['rate_per_s']:.2f} requests/s "
+                 f"({summary['machine']['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--block", type=int, default=50)
     parser.add_argument("--load", type=float, default=0.6, help="arrival rate, as a fraction of the target alone's capacity")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--configs", default="fresh,packaged,suffix")
+    parser.add_argument("--configs", default="fresh,packaged,suffix,alone")
+    parser.add_argument("--alone-every", type=int, default=4, help="the target alone serves every N-th block")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `onlinespec serve` flags for every server")
     parser.add_argument("--out", default="runs/cold-start")
+    parser.add_argument("--json", type=Path, default=DOCS / "cold-start.json")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--merge", action="store_true", help="replace only --configs' runs in the JSON (the same trace: same --n and capacity)")
     args = parser.parse_args()
-    path = DOCS / "cold-start.json"
     if args.report_only:
-        summary = json.loads(path.read_text())
+        summary = json.loads(args.json.read_text())
     else:
         from onlinespec.benchmark import machine_info
-        from serve_load import held_out
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        queries = held_out(args.n)
-        previous = json.loads(path.read_text()) if args.merge and path.exists() else None
-        rate = previous["rate_per_s"] if previous else args.load * capacity(args, queries[: 3 * args.max_batch], out)
+        queries = online_split(args.n)
+        rate = args.load * capacity(args, queries[: 4 * args.max_batch], out)
         rng = random.Random(0)
         arrivals, t = [], 0.0
         for _ in queries:
             t += rng.expovariate(rate)
             arrivals.append(t)
-        runs = dict(previous["runs"]) if previous else {}
-        for name in args.configs.split(","):
-            rows, updates, control = open_loop(name, args, queries, arrivals, out)
+        names = args.configs.split(",")
+        runs, texts = {}, {}
+        for name, (rows, updates, control) in interleaved(names, args, queries, arrivals, out).items():
+            texts[name] = {r["id"]: r["text"] for r in rows}
+            n = len(queries)
             runs[name] = {"blocks": blocks(rows, args.block), "updates": len(updates),
-                          "published": sum(1 for u in updates if u.get("version")), "controller": control[-20:],
-                          "texts": {r["id"]: r["text"] for r in rows}}
-        texts = {name: run.pop("texts") for name, run in runs.items() if "texts" in run}
-        digests = {n: {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in t.items()} for n, t in texts.items()}
-        for name, run in runs.items():
-            run["text_sha256"] = digests.get(name, run.get("text_sha256", {}))
-        first = next(iter(runs.values()))["text_sha256"]
-        for run in runs.values():
-            run["identical_to_first"] = sum(run["text_sha256"].get(k) == first[k] for k in first)
+                          "published": sum(1 for u in updates if u.get("version")), "controller": control,
+                          "windows": {"201_300": window(rows, 201, 300), "last_200": window(rows, max(1, n - 199), n)},
+                          "text_sha256": {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in texts[name].items()}}
+        reference = texts.get("alone", {})
+        for name, run in runs.items():  # greedy: every configuration's text against the target alone's, where it served
+            same = [k for k in reference if k in texts[name]]
+            run["identical_to_alone"] = f"{sum(texts[name][k] == reference[k] for k in same)}/{len(same)}"
         summary = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "n": args.n, "load": args.load,
-                   "rate_per_s": rate, "max_tokens": args.max_tokens, "server_args": args.server_args, "runs": runs}
-        path.write_text(json.dumps(summary, indent=1))
-    plot(summary, DOCS / "cold-start.png")
-    print(json.dumps({name: run["blocks"] for name, run in summary["runs"].items()}, indent=1))
+                   "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
+                   "verdicts": verdicts(runs, args.n), "runs": runs}
+        args.json.write_text(json.dumps(summary, indent=1))
+    plot(summary, args.json.with_suffix(".png"))
+    print(json.dumps({"verdicts": summary.get("verdicts"), **{name: run["blocks"] for name, run in summary["runs"].items()}}, indent=1))
 
 
 if __name__ == "__main__":
