@@ -14,6 +14,11 @@ name and not learnt from, beside the static draft), so that the static draft's t
 in the learner only and give the serving throughput kept while it runs; then by the target alone
 (draft ``"none"``), in batches of its own, as a server without speculation would run them.
 
+With ``fresh``, every probe is served a third time, by the draft born from nothing (draft
+``"fresh"``, ``serve --fresh-baseline``: the same kind of draft without the packaged head), which
+learns from the probes it serves: the cold start of a model with no trained draft, live beside the
+packaged head on the same requests.
+
 Each request's row (``on_request``) comes after its training record is in the durable buffer: a
 reported request is an acknowledged one. A request that fails (refused, timed out, a server
 error) is an error row with its message: it is counted and left out of the figures, and the
@@ -33,12 +38,14 @@ from typing import Protocol
 
 from onlinespec.data import Query
 from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.factory import FRESH
 from onlinespec.metrics import bootstrap_ratio, median_ratio, moving_average
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import STATIC, TARGET_ALONE, Served
 
 MOVING_AVERAGE = 50
+LEARNING = (None, FRESH)  # the drafts a stream's requests train: the routed one, and the fresh baseline
 STATS = ("acceptance_rate", "tau", "accepted", "judged", "new_tokens", "seconds", "tokens_per_s")
 
 
@@ -48,10 +55,13 @@ class OnlineConfig:
     max_new_tokens: int = 64  # per request, unless the query says
     concurrency: int = 1  # requests in flight
     compare_every: int = 0  # serve every N-th request also with the static draft (and, after, the target alone)
+    fresh: bool = False  # and with the draft born from nothing (draft "fresh"), which learns from those requests
 
     def __post_init__(self) -> None:
         if self.compare_every < 0 or self.max_new_tokens < 1 or self.concurrency < 1:
             raise ValueError("compare_every >= 0, max_new_tokens >= 1 and concurrency >= 1 are required")
+        if self.fresh and not self.compare_every:
+            raise ValueError("the fresh draft serves the compared requests: give compare_every >= 1")
 
 
 class StreamClient(Protocol):
@@ -97,7 +107,7 @@ class CoreClient:
     def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
         started = time.perf_counter()
         prompt = list(query.messages) if query.messages else query.prompt
-        handle = self.core.submit(prompt, SamplingParams(temperature=0.0), query.domain, train=query.train and draft is None,
+        handle = self.core.submit(prompt, SamplingParams(temperature=0.0), query.domain, train=query.train and draft in LEARNING,
                                   draft=draft, request_id=query.id, max_tokens=max_new_tokens)
         served: Served = handle.result()
         seconds = time.perf_counter() - started  # what the client waited, recording included
@@ -130,7 +140,7 @@ class HTTPClient:
                                   headers={"Authorization": f"Bearer {admin_key}"} if admin_key else {})
 
     def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
-        extra = {"domain": query.domain, "train": query.train and draft is None, **({"draft": draft} if draft else {})}
+        extra = {"domain": query.domain, "train": query.train and draft in LEARNING, **({"draft": draft} if draft else {})}
         common = dict(model=self.model, max_tokens=max_new_tokens, temperature=0.0, extra_body=extra,
                       extra_headers={"X-Request-Id": query.id})
         started = time.perf_counter()
@@ -172,6 +182,8 @@ def run_stream(
     core_config = replace(config.core, speculation_details=True)  # the operator's own stream: its report shows the drafters
     if config.compare_every and not core_config.static_baseline:
         core_config = replace(core_config, static_baseline=True)
+    if config.fresh:
+        core_config = replace(core_config, fresh_baseline=True)
     core = ServingCore(core_config, out_dir)
     try:
         core.load()
@@ -201,7 +213,7 @@ def drive(
             run.in_parallel(step, probes)
         for r in probes:  # greedy: the online system, the static draft and the target alone agree
             texts = r.pop("texts")
-            r["identical"] = TARGET_ALONE in texts and r["text"] == texts[STATIC] == texts[TARGET_ALONE]
+            r["identical"] = TARGET_ALONE in texts and r["text"] == texts[STATIC] == texts[TARGET_ALONE] == texts.get(FRESH, r["text"])
     for r in rows:  # the text itself is not kept; its digest lets runs over the same stream be compared
         text = r.pop("text", None)
         if text is not None:
@@ -242,6 +254,10 @@ class _StreamRun:
             if every and i % every == 0:
                 online, static = self._pair(i)
                 row.update(online, static={k: static[k] for k in STATS}, texts={STATIC: static["text"]})
+                if self.config.fresh:
+                    fresh = self._serve(i, FRESH)
+                    row.update(fresh={k: fresh[k] for k in STATS})
+                    row["texts"][FRESH] = fresh["text"]
             else:
                 row.update(self._serve(i))
         except Exception as err:  # one failed request is an error row, never the end of the stream
@@ -348,5 +364,12 @@ def summarize(rows: list[dict], config: OnlineConfig, updates: list[dict] | None
                 "static_median_ratio": median_ratio(_rate_pairs(off, "static", "static_learning_off")),
                 "requests_with_learner_busy": sum(bool(r["learner_busy"]) for r in off),
             }
+        fresh = [r for r in probed if "fresh" in r]
+        if fresh:  # the draft born from nothing, on the same requests (the fresh baseline)
+            comparison["tokens_per_s"]["fresh"] = _throughput(_pick(fresh, "fresh"))
+            comparison["acceptance_rate"]["fresh"] = pooled_alpha(_pick(fresh, "fresh"))
+            tail = fresh[-MOVING_AVERAGE:]
+            comparison["last_50_compared"] = {"online": pooled_alpha(tail), "static": pooled_alpha(_pick(tail, "static")),
+                                              "fresh": pooled_alpha(_pick(tail, "fresh"))}
         result["comparison"] = comparison
     return result

@@ -84,10 +84,11 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     queries = [Query(id=f"q{i}", domain="code", origin="test", prompt=TEXTS[i % 4][:20]) for i in range(8)]
     core = CoreConfig(target=str(other_target), draft="hybrid", k=3, kernels=False, adaptive_k=False,
                       learner=LearnerConfig(update_interval=2, steps_per_update=4, batch_size=4, priority="normal", gate_margin=1.0))
-    result = run_stream(queries, OnlineConfig(core, max_new_tokens=12, compare_every=2), tmp_path / "run")
+    result = run_stream(queries, OnlineConfig(core, max_new_tokens=12, compare_every=2, fresh=True), tmp_path / "run")
     assert result["summary"]["n_errors"] == 0
     comparison = result["comparison"]
-    assert comparison["n_requests"] == 4 and comparison["identical"] == 4  # online, static and target alone: token for token
+    assert comparison["n_requests"] == 4 and comparison["identical"] == 4  # online, static, fresh and target alone: token for token
+    assert "fresh" in comparison["acceptance_rate"] and any(u["draft"] == "fresh" for u in result["updates"])
     published = [u for u in result["updates"] if u["version"]]
     assert published, result["updates"]
     learning = result["learner"]["learning"]  # the updates ran in the engine's turns, and say what they took
@@ -96,3 +97,15 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     from onlinespec.online.registry import DraftRegistry
 
     assert DraftRegistry(tmp_path / "run" / "drafts" / "code").current() == published[-1]["version"]
+
+
+def test_a_fresh_baseline_needs_a_learning_head_draft_outside_content_routing():
+    from onlinespec.serve.config import CoreConfig
+    from onlinespec.stream import OnlineConfig
+
+    assert CoreConfig(fresh_baseline=True).fresh_draft == "hybrid:fresh"
+    for options in (dict(draft="ngram"), dict(router="content"), dict(learn=False)):
+        with pytest.raises(ValueError, match="needs --draft hybrid or head"):
+            CoreConfig(fresh_baseline=True, **options)
+    with pytest.raises(ValueError, match="give compare_every >= 1"):
+        OnlineConfig(fresh=True)

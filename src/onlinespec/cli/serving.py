@@ -135,6 +135,8 @@ def serve(
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
     drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
     static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
+    fresh_baseline: Annotated[bool, typer.Option(help="also serve, as draft 'fresh', the draft born from nothing (hybrid:fresh), "
+                                                     "learning from the requests that name it (the cold start beside the packaged head)")] = False,
     log_text: Annotated[bool, typer.Option(help="request log lines carry prompt and output text (off: never)")] = False,
     replicas: Annotated[Optional[int], typer.Option(min=1, help="serve from N replicas on Ray, with learner actors fed by all of them "
                                                               "(pip install onlinespec[ray]; docs/scale.md); default: this process alone")] = None,
@@ -150,10 +152,13 @@ def serve(
 
     from onlinespec.serve.server import serve as run_server
 
+    if fresh_baseline and replicas is not None:
+        console.print("[red]error:[/red] --fresh-baseline learns in the serving process: leave out --replicas")
+        raise typer.Exit(2)
     scale = _scale_config(core, replicas, ray_address, replica_cpus, learner_cpus, learner_groups) if replicas is not None else None
     names = user_errors(lambda: served_names(served_model_name))
     core = user_errors(lambda: vllm_options(core, model, names, max_model_len))
-    core = replace(core, static_baseline=static_baseline, log_text=log_text)
+    core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
     api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
     if len(admin_keys) > 1:
         console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
@@ -250,13 +255,15 @@ def demo(
     target: TargetOpt = CoreConfig.target,
     out_dir: Annotated[Path, typer.Option(help="stream, server output (buffers, registries, event log), results and report")] = Path("runs/demo"),
     replicas: Annotated[Optional[int], typer.Option(min=1, help="serve from N replicas on a local Ray cluster, one learner actor fed by all (docs/scale.md)")] = None,
+    fresh: Annotated[bool, typer.Option(help="serve the compared requests a third time, by a draft born from the target (no packaged head), learning from them: the cold start, live (not with --replicas)")] = True,
 ) -> None:
     """The main job on the embedded default: start `onlinespec serve` on 127.0.0.1 and send it a
     real query stream with domain shifts through the `openai` client, several requests in flight.
     The server serves the default draft (n-gram lookup + the packaged feature head, adaptive k),
     one copy per domain, each learning its domain's traffic online; every other request is also
-    served by the same draft kept static, and, after the stream, by the target alone; the report
-    compares the three."""
+    served by the same draft kept static and by a draft born from the target with no packaged head
+    (draft 'fresh', learning from those requests: the cold start of a model nobody trained a draft
+    for), and, after the stream, by the target alone; the report compares the four."""
     from onlinespec.data import write_queries_jsonl
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.splits import split
@@ -277,11 +284,15 @@ def demo(
     admin_key = secrets.token_hex(16)
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
             "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens), "--speculation-details"]
+    fresh = fresh and not replicas  # the fresh draft learns in the serving process
     if replicas:
         args += ["--replicas", str(replicas)]
+    if fresh:
+        args += ["--fresh-baseline"]
     title = f"Online demo: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, default draft {DEFAULT_DRAFT}, one per domain, {concurrency} in flight"
     title += f", {replicas} replicas on Ray" if replicas else ""
-    config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every)
+    title += ", a fresh draft beside it" if fresh else ""
+    config = OnlineConfig(max_new_tokens=max_new_tokens, concurrency=concurrency, compare_every=compare_every, fresh=fresh)
     (out_dir / "run").mkdir(parents=True)
     console.print(f"starting `onlinespec serve {shlex.join(args)}`, the admin key in ONLINESPEC_ADMIN_KEY (log: {out_dir / 'run' / 'server.log'})")
     with ServerProcess(args, log=out_dir / "run" / "server.log", env={**os.environ, "ONLINESPEC_ADMIN_KEY": admin_key}) as server:
@@ -337,7 +348,7 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
     started = time.perf_counter()
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("online" if learn else "static", total=len(queries), info="")
-        served = {"tokens": 0}
+        served, compared = {"tokens": 0}, []
 
         def on_request(row):
             if "error" in row:
@@ -349,6 +360,11 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
                     f"draft {row['draft']} {row['draft_version']}  {row['domain']}")
             if "static" in row:
                 info += f"  | this request {row['tokens_per_s']:.1f} tok/s, static {row['static']['tokens_per_s']:.1f}"
+            if "fresh" in row:  # alpha over the last 25 compared requests: online, and the draft born from nothing
+                compared.append((row["acceptance_rate"], row["fresh"]["acceptance_rate"]))
+                recent = compared[-25:]
+                info += (f"  | compared alpha(25): online {sum(a for a, _ in recent) / len(recent):.3f}, "
+                         f"fresh {sum(f for _, f in recent) / len(recent):.3f}")
             progress.update(task, advance=1, info=info)
 
         result = user_errors(lambda: run(on_request, lambda text: progress.update(task, info=text)))
@@ -369,6 +385,10 @@ def _serve_with_progress(queries, config, out_dir: Path, json_out: Path, title: 
     if "comparison" in result:
         c = result["comparison"]
         tps = c["tokens_per_s"]
+        if "fresh" in tps:
+            out.print(f"the draft born from nothing on the same requests: {tps['fresh']:.1f} tok/s, alpha {c['acceptance_rate']['fresh']:.3f} "
+                      f"(online {c['acceptance_rate']['online']:.3f}); last 50 compared: fresh {c['last_50_compared']['fresh']:.3f}, "
+                      f"online {c['last_50_compared']['online']:.3f}")
         out.print(f"same {c['n_requests']} requests: online {tps['online']:.1f} tok/s, static {tps['static']:.1f}, target alone "
                   f"{tps['target_alone']:.1f} (online / static {tps['online'] / tps['static']:.3f}x, 95% interval "
                   f"{c['online/static_95ci'][0]:.3f}-{c['online/static_95ci'][1]:.3f}; online / target alone "

@@ -143,6 +143,7 @@ class DraftPool:
         owns: Callable[[str], bool] | None = None,
         keeps_buffers: bool | None = None,
         turns: EngineTurns | None = None,
+        born: dict[str, Callable[[], tuple[Proposer, AdaptiveK | None]]] | None = None,
     ) -> None:
         """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
         ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
@@ -157,9 +158,10 @@ class DraftPool:
         files on disk while it is not in memory (default: every draft; a Ray learner group, its own).
         ``keeps_buffers``: whether the buffers under ``out_dir/buffer`` are this pool's to purge
         (default: unless ``learners`` puts them elsewhere; a Ray replica's never are). ``turns``: the
-        serving engine's, in which this process's learners compute (:mod:`onlinespec.online.turns`)."""
+        serving engine's, in which this process's learners compute (:mod:`onlinespec.online.turns`).
+        ``born``: drafts that start otherwise than ``new_draft()``, by name (the fresh baseline)."""
         self.out_dir = Path(out_dir)
-        self.new_draft, self.learner_config = new_draft, learner
+        self.new_draft, self.learner_config, self.born = new_draft, learner, born or {}
         self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
         self.retention_seconds, self.identity = retention_seconds, identity or {}
         self.suffix_tokens = suffix_tokens
@@ -199,7 +201,7 @@ class DraftPool:
     def _create(self, name: str, start_from: Draft | None = None) -> Draft:
         """A draft called ``name``: from its registry's current version if it has one, else a copy
         of ``start_from``'s model (its registry's first version says so) or the starting draft."""
-        proposer, adaptive = self.new_draft()
+        proposer, adaptive = self.born.get(name, self.new_draft)()
         origin = None
         if start_from is not None and not (self.out_dir / "drafts" / name / "CURRENT").exists():
             model = start_from.proposer.model

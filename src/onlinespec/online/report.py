@@ -93,10 +93,13 @@ def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:
         if probes:  # online and static on the same requests, each averaged over the same span of the stream
             window = max(1, round(len(probes) / len(rows) * 50))
             curves = [(label, None, "-")] if partial else []  # (with every request compared, the curve above is it)
-            for who, key, style in curves + [("static draft", "static", "--")]:
+            curves.append(("static draft", "static", "--"))
+            if "fresh" in probes[0]:  # the draft born from nothing, learning from the compared requests
+                curves.append(("fresh draft (born from the target, learning)", "fresh", ":"))
+            for who, key, style in curves:
                 average = moving_average([(r[key] if key else r)["acceptance_rate"] for r in probes], window)
                 ax.plot([r["i"] for r in probes], average, linestyle=style,
-                        label=f"{who}, the {len(probes)} compared requests" if partial else "static draft (same requests)")
+                        label=f"{who}, the {len(probes)} compared requests" if partial else f"{who} (same requests)")
             ratio = [r["tokens_per_s"] / r["static"]["tokens_per_s"] for r in probes if r["static"]["tokens_per_s"]]
             axes[1][0].plot([r["i"] for r in probes if r["static"]["tokens_per_s"]], moving_average(ratio, window),
                             label=f"{label} / static, moving average of {window} compared requests")
@@ -129,13 +132,17 @@ def comparison_lines(label: str, comparison: dict | None) -> list[str]:
     if not comparison:
         return []
     tps, ratio = comparison["tokens_per_s"], comparison["median_ratio"]
-    alpha = comparison["acceptance_rate"]
+    alpha, fresh = comparison["acceptance_rate"], "fresh" in comparison["tokens_per_s"]
+    last = comparison.get("last_50_compared", {})
     lines = [
-        "", f"### {label}: the same {comparison['n_requests']} requests, three ways (one run)", "",
-        "| | online draft | static draft | target alone |", "|---|---|---|---|",
-        f"| tokens/s | {tps['online']:.1f} | {tps['static']:.1f} | {tps['target_alone']:.1f} |",
-        f"| median ratio to target alone | {ratio['online/target_alone']:.2f}x | {ratio['static/target_alone']:.2f}x | 1.00x |",
-        f"| alpha | {alpha['online']:.3f} | {alpha['static']:.3f} | - |",
+        "", f"### {label}: the same {comparison['n_requests']} requests, {'four' if fresh else 'three'} ways (one run)", "",
+        "| | online draft | static draft |" + (" fresh draft (born from the target, learning) |" if fresh else "") + " target alone |",
+        "|---|---|---|---|" + ("---|" if fresh else ""),
+        f"| tokens/s | {tps['online']:.1f} | {tps['static']:.1f} |" + (f" {tps['fresh']:.1f} |" if fresh else "") + f" {tps['target_alone']:.1f} |",
+        f"| median ratio to target alone | {ratio['online/target_alone']:.2f}x | {ratio['static/target_alone']:.2f}x |"
+        + (" - |" if fresh else "") + " 1.00x |",
+        f"| alpha | {alpha['online']:.3f} | {alpha['static']:.3f} |" + (f" {alpha['fresh']:.3f} |" if fresh else "") + " - |",
+        *([f"| alpha, last 50 compared | {last['online']:.3f} | {last['static']:.3f} | {last['fresh']:.3f} | - |"] if last else []),
         "", f"Online / static: {tps['online'] / tps['static']:.3f}x pooled{ci_text(comparison)}, {ratio['online/static']:.3f}x median per request. "
         f"Greedy output identical on {comparison['identical']}/{comparison['n_requests']}.",
     ]

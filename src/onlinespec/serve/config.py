@@ -40,6 +40,8 @@ class CoreConfig:
     default_max_tokens: int | None = None  # when a request gives no max_tokens (None: the context left, as vLLM)
     request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
+    fresh_baseline: bool = False  # also serve, as draft "fresh", the same kind of draft born from nothing (DRAFT:fresh),
+    # learning from the requests sent to it by name: the cold start beside the packaged head, on the same server
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     log_text: bool = False  # request log lines carry prompt and output text
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
@@ -65,8 +67,16 @@ class CoreConfig:
             raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens (or unset: the model's context), got {self.max_model_len}")
+        if self.fresh_baseline and (self.draft.partition(":")[0] not in ("hybrid", "head") or self.router == "content" or not self.learn):
+            raise ValueError(f"a fresh baseline is a head born from the target, learning: it needs --draft hybrid or head (not "
+                             f"{self.draft!r}), learning on, and a router other than content (its drafts are the clusters')")
         if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
             raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
+
+    @property
+    def fresh_draft(self) -> str:
+        """The spec of the fresh baseline: the draft's kind, born from the target (``hybrid:fresh``)."""
+        return f"{self.draft.partition(':')[0]}:fresh"
 
     @property
     def model_name(self) -> str:

@@ -46,7 +46,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
-from onlinespec.factory import engine_options, make_proposer
+from onlinespec.factory import FRESH, engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
@@ -79,6 +79,8 @@ class ServingCore:
         self.config, self.out_dir, self.replica, self._learners = config, Path(out_dir), replica, learners
         if replica is not None and config.router == "content":
             raise ValueError("content routing runs in a single process: serve replicas with --router domain or single")
+        if replica is not None and config.fresh_baseline:
+            raise ValueError("the fresh baseline learns in the serving process: serve it without --replicas")
         self.own_dir = self.out_dir if replica is None else self.out_dir / "replicas" / replica  # its lock and event log
         self.lock = OutDirLock(self.own_dir).acquire()  # OutDirBusy if another process serves from it
         try:
@@ -149,9 +151,9 @@ class ServingCore:
                                  max_batch=config.max_batch) if speculative else {}
         adaptive = options.get("adaptive_k")
 
-        def new_draft():
+        def new_draft(spec: str = config.draft):
             """A fresh starting draft with acceptance statistics of its own."""
-            return make_proposer(config.draft, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
+            return make_proposer(spec, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
 
         runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len)
         self.engine = SpeculativeEngine(runner, self.eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
@@ -172,12 +174,15 @@ class ServingCore:
                               suffix_tokens=config.suffix_tokens if learning else 0,
                               content=config.content if content else None, max_in_memory=config.max_drafts,
                               learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None)
+                              keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None,
+                              born={FRESH: lambda: new_draft(config.fresh_draft)} if config.fresh_baseline else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
             self.baselines[STATIC] = self.pool.content.static
         elif config.static_baseline and speculative:
             self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
+        if config.fresh_baseline and speculative:  # learns from the requests that name it (serve --fresh-baseline)
+            self.pool.open(FRESH)
         curve = options.get("cost_curve")
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch, "backend": self.target.backend, "device": str(self.target.device),
