@@ -40,8 +40,8 @@ WARPED = dict(temperature=0.7, top_k=4, top_p=0.9)
 
 @torch.inference_mode()
 def exact_distribution(target, prompt: list[int], params: SamplingParams, n: int = NEW_TOKENS) -> dict:
-    """P(continuation) for every continuation of ``n`` tokens, by the target alone (no cache)."""
-    vocab = target.config.vocab_size
+    """P(continuation) for every continuation of ``n`` tokens the target allows (probability > 0:
+    the others are left out, and read as 0), by the target alone (no cache)."""
     dist = {(): 1.0}
     for _ in range(n):
         prefixes = list(dist)
@@ -50,7 +50,7 @@ def exact_distribution(target, prompt: list[int], params: SamplingParams, n: int
         dist = {
             prefix + (token,): dist[prefix] * float(probs[row, token])
             for row, prefix in enumerate(prefixes)
-            for token in range(vocab)
+            for token in probs[row].nonzero().flatten().tolist()
         }
     return dist
 
