@@ -121,22 +121,26 @@ def test_drafts_lists_versions_and_rolls_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_serves_a_shift_stream_and_compares_online_static_and_target_alone(tmp_path):
+def test_demo_serves_a_shift_stream_and_compares_online_static_fresh_and_target_alone(tmp_path):
+    previous = tmp_path / "run" / "drafts" / "math_ml"  # a previous demo's draft: the demo starts afresh, never from it
+    previous.mkdir(parents=True)
+    (previous / "CURRENT").write_text("v0042")
     result = runner.invoke(app, ["demo", "--per-domain", "3,2,2", "--max-new-tokens", "6", "--update-interval", "2",
                                  "--compare-every", "1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
+    assert "removed the previous demo run" in result.output
     data = json.loads((tmp_path / "online.json").read_text())
     assert [r["domain"] for r in data["requests"]] == ["math_ml"] * 3 + ["code", "code", "chat", "chat"]
     assert [r["draft"] for r in data["requests"]] == ["math_ml"] * 3 + ["code", "code", "chat", "chat"]
+    assert data["requests"][0]["draft_version"] == "v0001"
     comparison = data["comparison"]
-    assert comparison["n_requests"] == 7 and comparison["identical"] == 7
+    assert comparison["n_requests"] == 7 and comparison["identical"] == 7  # online, static, fresh and the target alone agree
+    assert comparison["tokens_per_s"]["fresh"] > 0 and 0 <= comparison["acceptance_rate"]["fresh"] <= 1
+    assert any(u["draft"] == "fresh" for u in data["updates"])  # the draft born from nothing learnt from the compared requests
     report = (tmp_path / "run" / "report.md").read_text()
-    again = runner.invoke(app, ["demo", "--per-domain", "2", "--max-new-tokens", "4", "--out-dir", str(tmp_path)])
-    assert again.exit_code == 0 and "removed the previous demo run" in again.output  # each demo starts afresh
-    assert json.loads((tmp_path / "online.json").read_text())["requests"][0]["draft_version"] == "v0001"
     bad = runner.invoke(app, ["demo", "--per-domain", "3,2", "--out-dir", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--per-domain" in bad.output
-    assert "target alone" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0
+    assert "target alone" in report and "fresh draft" in report and (tmp_path / "run" / "alpha.png").stat().st_size > 0
 
 
 def test_bench_at_several_concurrency_levels(tmp_path, tiny_target_folder):
