@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,23 +49,22 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "bench"))
 
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
-           "alone": ["--draft", "none"]}
-DOMAINS = ("chat", "code", "math_ml")
+           "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"]}
 
 
-def online_split(n: int) -> list:
-    """``n`` online-split requests (the traffic a server learns from), chat, code and maths in 23 languages in turn."""
+def online_split(n: int, domains: list[str]) -> list:
+    """``n`` online-split requests (the traffic a server learns from), ``domains`` in turn."""
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.splits import split
 
-    pools = {d: split(q, "online") for d, q in stream_pools(DOMAINS).items()}
+    pools = {d: split(q, "online") for d, q in stream_pools(domains).items()}
     for d, pool in pools.items():
         random.Random(f"0:{d}").shuffle(pool)
-    per = -(-n // len(DOMAINS))
+    per = -(-n // len(domains))
     short = {d: len(p) for d, p in pools.items() if len(p) < per}
     if short:
         raise SystemExit(f"--n {n} needs {per} requests per domain; the online split holds {short}")
-    return [pools[DOMAINS[i % len(DOMAINS)]][i // len(DOMAINS)] for i in range(n)]
+    return [pools[domains[i % len(domains)]][i // len(domains)] for i in range(n)]
 
 
 class Paused:
@@ -77,6 +77,7 @@ class Paused:
         self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
         self.model = self.client.models.list().data[0].id
         self.rows: dict[int, dict] = {}
+        self.walls: dict[int, float] = {}  # block -> seconds it took
         self.pause()
 
     def pause(self) -> None:
@@ -85,26 +86,32 @@ class Paused:
     def resume(self) -> None:
         self.server.process.send_signal(signal.SIGCONT)
 
-    def play(self, queries, indices: list[int], arrivals: list[float], max_tokens: int) -> float:
-        """Serve ``indices`` at their arrival gaps (open loop), wait for every answer; wall seconds."""
+    def play(self, block: int, queries, indices: list[int], arrivals: list[float] | None, max_tokens: int, in_flight: int) -> float:
+        """Serve ``indices`` at their arrival gaps (open loop), or ``in_flight`` at a time (closed
+        loop: ``arrivals`` None), wait for every answer; wall seconds."""
         from serve_load import send
 
         self.resume()
         start, threads = time.perf_counter(), []
-        offset = arrivals[indices[0]]
 
         def one(i: int) -> None:
             self.rows[i] = send(self.client, self.model, queries[i], max_tokens, headers={"X-Request-Id": f"cold-{i}"})
 
-        for i in indices:
-            time.sleep(max(0.0, start + arrivals[i] - offset - time.perf_counter()))
-            thread = threading.Thread(target=one, args=(i,), daemon=True)
-            thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()
+        if arrivals is None:
+            with ThreadPoolExecutor(in_flight) as pool:
+                list(pool.map(one, indices))
+        else:
+            offset = arrivals[indices[0]]
+            for i in indices:
+                time.sleep(max(0.0, start + arrivals[i] - offset - time.perf_counter()))
+                thread = threading.Thread(target=one, args=(i,), daemon=True)
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                thread.join()
         self.pause()
-        return time.perf_counter() - start
+        self.walls[block] = seconds = time.perf_counter() - start
+        return seconds
 
 
 def capacity(args, queries, out: Path) -> float:
@@ -124,7 +131,7 @@ def capacity(args, queries, out: Path) -> float:
     return level["requests_per_s"]
 
 
-def interleaved(names: list[str], args, queries, arrivals: list[float], out: Path) -> dict:
+def interleaved(names: list[str], args, queries, arrivals: list[float] | None, out: Path) -> dict:
     """Every configuration over the trace, block by block in turn; {name: (rows, updates, controller events)}."""
     from onlinespec.serve.server import ServerProcess
 
@@ -146,7 +153,7 @@ def interleaved(names: list[str], args, queries, arrivals: list[float], out: Pat
             for name in order:
                 if name == "alone" and b % args.alone_every:
                     continue
-                seconds = servers[name].play(queries, indices, arrivals, args.max_tokens)
+                seconds = servers[name].play(b, queries, indices, arrivals, args.max_tokens, args.in_flight)
                 errors = sum(servers[name].rows[i]["error"] is not None for i in indices)
                 print(f"block {b + 1}/{n_blocks} [{name}] {len(indices)} requests in {seconds:.0f} s, {errors} errors "
                       f"({time.perf_counter() - started:.0f} s so far)", flush=True)
@@ -165,11 +172,11 @@ def interleaved(names: list[str], args, queries, arrivals: list[float], out: Pat
         control = [e for e in logged if e["event"] == "learn_control"]
         print(f"[{name}] {len(updates)} updates ({sum(1 for u in updates if u.get('version'))} published), "
               f"{len(control)} controller decisions", flush=True)
-        results[name] = rows, updates, control
+        results[name] = rows, updates, control, paused.walls
     return results
 
 
-def blocks(rows: list[dict], size: int) -> list[dict]:
+def blocks(rows: list[dict], size: int, walls: dict[int, float]) -> list[dict]:
     from onlinespec.metrics import percentile
 
     out = []
@@ -181,7 +188,8 @@ def blocks(rows: list[dict], size: int) -> list[dict]:
                     "tau": sum(r.get("tau", 1) for r in part) / max(1, len(part)),
                     "tpot_p50_ms": 1000 * percentile(tpot, 50) if tpot else None,
                     "ttft_p50_s": percentile([r["ttft_s"] for r in part], 50) if part else None,
-                    "errors": sum(r["error"] is not None for r in block)})
+                    "errors": sum(r["error"] is not None for r in block),
+                    "tokens_per_s": sum(r["tokens"] for r in part) / walls[b] if walls.get(b) else None})
     return out
 
 
@@ -230,8 +238,9 @@ def plot(summary: dict, path: Path) -> None:
     axes[2].set(title="TPOT p50 (servers interleaved by block)", xlabel="requests served", ylabel="ms")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.suptitle(f"cold start at {summary['load']:.0%} of target-alone capacity, {summary['rate_per_s']:.2f} requests/s "
-                 f"({summary['machine']['date']})")
+    load = (f"{summary['in_flight']} in flight (closed loop)" if summary.get("in_flight") else
+            f"{summary['load']:.0%} of target-alone capacity, {summary['rate_per_s']:.2f} requests/s")
+    fig.suptitle(f"{summary.get('domains', 'chat,code,math_ml')} at {load} ({summary['machine']['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -243,7 +252,9 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.6, help="arrival rate, as a fraction of the target alone's capacity")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--configs", default="fresh,packaged,suffix,alone")
+    parser.add_argument("--configs", default="fresh,packaged,suffix,alone", help=f"of {', '.join(CONFIGS)}")
+    parser.add_argument("--domains", default="chat,code,math_ml", help="online-split domains, in turn")
+    parser.add_argument("--in-flight", type=int, default=None, help="closed loop: this many requests in flight (no arrival trace, no capacity probe)")
     parser.add_argument("--alone-every", type=int, default=4, help="the target alone serves every N-th block")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `onlinespec serve` flags for every server")
     parser.add_argument("--out", default="runs/cold-start")
@@ -257,19 +268,20 @@ def main() -> None:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        queries = online_split(args.n)
-        rate = args.load * capacity(args, queries[: 4 * args.max_batch], out)
-        rng = random.Random(0)
-        arrivals, t = [], 0.0
-        for _ in queries:
-            t += rng.expovariate(rate)
-            arrivals.append(t)
+        queries = online_split(args.n, args.domains.split(","))
+        rate, arrivals = None, None
+        if args.in_flight is None:
+            rate, arrivals, t, rng = args.load * capacity(args, queries[: 4 * args.max_batch], out), [], 0.0, random.Random(0)
+            for _ in queries:
+                t += rng.expovariate(rate)
+                arrivals.append(t)
         names = args.configs.split(",")
         runs, texts = {}, {}
-        for name, (rows, updates, control) in interleaved(names, args, queries, arrivals, out).items():
+        for name, (rows, updates, control, walls) in interleaved(names, args, queries, arrivals, out).items():
             texts[name] = {r["id"]: r["text"] for r in rows}
             n = len(queries)
-            runs[name] = {"blocks": blocks(rows, args.block), "updates": len(updates),
+            runs[name] = {"blocks": blocks(rows, args.block, walls), "updates": len(updates),
+                          "tokens_per_s": sum(r["tokens"] for r in rows if r["error"] is None) / sum(walls.values()),
                           "published": sum(1 for u in updates if u.get("version")), "controller": control,
                           "windows": {"201_300": window(rows, 201, 300), "last_200": window(rows, max(1, n - 199), n)},
                           "text_sha256": {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in texts[name].items()}}
@@ -277,7 +289,8 @@ def main() -> None:
         for name, run in runs.items():  # greedy: every configuration's text against the target alone's, where it served
             same = [k for k in reference if k in texts[name]]
             run["identical_to_alone"] = f"{sum(texts[name][k] == reference[k] for k in same)}/{len(same)}"
-        summary = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "n": args.n, "load": args.load,
+        summary = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "n": args.n,
+                   "load": None if args.in_flight else args.load, "in_flight": args.in_flight, "domains": args.domains,
                    "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
                    "verdicts": verdicts(runs, args.n), "runs": runs}
         args.json.write_text(json.dumps(summary, indent=1))
