@@ -71,7 +71,8 @@ def test_data_stream_exports_a_shift_schedule(tmp_path):
 
 
 @pytest.mark.slow
-def test_online_serves_a_stream_learns_and_reports(tmp_path):
+def test_online_serves_a_stream_learns_and_reports(tmp_path, tiny_target_folder):
+    """The command's mechanics, on the tiny target (the demo test runs the real one)."""
     stream = tmp_path / "stream.jsonl"
     stream.write_text("".join(
         json.dumps({"messages": [{"role": "user", "content": f"Write a Python function number {i} that adds numbers."}],
@@ -81,7 +82,8 @@ def test_online_serves_a_stream_learns_and_reports(tmp_path):
     out_json, out_dir = tmp_path / "online.json", tmp_path / "run"
     result = runner.invoke(app, ["online", "--stream", str(stream), "--json", str(out_json), "--out-dir", str(out_dir),
                                  "--max-new-tokens", "8", "--update-interval", "2", "--steps-per-update", "2",
-                                 "--positions", "verified", "--priority", "normal"])  # nice 19 on one busy core: no update runs
+                                 "--target", str(tiny_target_folder), "--draft", "target-layers:1", "--k", "2", "--no-kernels",
+                                 "--fixed-k", "--positions", "verified"])
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
     rows = data["requests"]
