@@ -92,3 +92,27 @@ def test_a_closed_engine_lets_a_waiting_learner_finish():
 def test_a_share_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="learning share"):
         EngineTurns(share=0.0)
+
+
+def test_a_turn_the_process_was_suspended_in_does_not_count_the_pause_as_learning():
+    """SIGSTOP (or a frozen container) mid-turn: the engine's 0.1 s wake-ups stop, the clock goes
+    on. Counting the pause as learning would starve the learner under load for minutes after."""
+    now = [0.0]
+    turns = EngineTurns(share=0.1, slice_seconds=0.05, clock=lambda: now[0])
+    waiting, release = threading.Event(), threading.Event()
+    turns.on_wanted = waiting.set
+
+    def learner() -> None:
+        turns.take()
+        now[0] += 0.05  # a unit
+        now[0] += 120.0  # the process is stopped for two minutes in the middle of the turn
+        release.wait(5)
+        turns.done()
+
+    thread = threading.Thread(target=learner, daemon=True)
+    thread.start()
+    assert waiting.wait(5)
+    threading.Timer(0.3, release.set).start()
+    turns.give()
+    thread.join(5)
+    assert turns.learn_seconds_total < 1.0

@@ -15,6 +15,7 @@ never silently dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,13 +228,15 @@ def chain_task(records, position_policy: str, chain: ChainConfig = ChainConfig()
 
 
 @torch.inference_mode()
-def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK) -> dict[str, float]:
+def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK,
+                 between: Callable[[], None] = lambda: None) -> dict[str, float]:
     """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
     (over the stored top-K plus the tail bucket): the gate's figures, as for draft LMs.
 
     Computed ``chunk`` positions at a time: the head's logits over every held-out position at once
     would take positions x vocabulary floats (400 records x 60 positions x 8,192 ids is 0.8 GB),
-    a peak that grew with the replay buffer."""
+    a peak that grew with the replay buffer. ``between()`` runs after each chunk: the online
+    learner hands the engine its turn back there, so a step never waits for a whole evaluation."""
     from onlinespec.distill.losses import bucket_log_probs
 
     signal, _ = records_to_signal(records)
@@ -249,5 +252,6 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
         log_p, log_q = bucket_log_probs(extended, teacher)
         agreement += float((head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]).sum())
         alpha += float(torch.minimum(log_p.exp(), log_q.exp()).sum(-1).sum())
+        between()
     n = len(task)
     return {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n}

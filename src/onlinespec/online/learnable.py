@@ -38,8 +38,10 @@ class LearnableDraft(Protocol):
     def objective(self, records: Sequence[DistillRecord], positions: str, depth: int, config: DistillConfig) -> Objective:
         """Training on ``records`` (``positions``: the recorder's position policy; ``depth``: chain length)."""
 
-    def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig) -> dict[str, float]:
-        """loss, agreement and alpha on held-out ``records`` (the gate's figures)."""
+    def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig,
+                between: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """loss, agreement and alpha on held-out ``records`` (the gate's figures); ``between()`` runs
+        between the pieces it is computed in (where the learner may hand the engine its turn back)."""
 
     def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
         """Load published weights strictly (a ValueError, naming ``label``, if they do not fit)."""
@@ -69,8 +71,8 @@ class DraftLM(_Strict):
     def objective(self, records, positions, depth, config):
         return Objective(list(records), lambda model, optimizer, batch: distill_step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config):
-        return evaluate(model, records, config)
+    def metrics(self, model, records, config, between=lambda: None):
+        return evaluate(model, records, config)  # one batch: a draft LM's held-out records are few and short
 
 
 class HeadDraft(_Strict):
@@ -81,8 +83,8 @@ class HeadDraft(_Strict):
         task = chain_task(records, positions, ChainConfig(depth=depth))
         return Objective(task.starts.tolist(), lambda model, optimizer, batch: task.step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config):
-        return head_metrics(model, records, config)
+    def metrics(self, model, records, config, between=lambda: None):
+        return head_metrics(model, records, config, between=between)
 
     def cold(self, model):
         return model.config.vocab_from_traffic

@@ -530,7 +530,7 @@ class OnlineLearner:
 
         def measured(model, records):
             self._pause_point()
-            return metrics(model, records, distill)
+            return metrics(model, records, distill, between=self._pause_point)  # a chunk of positions is a unit of work
 
         before, after = measured(serving, held_out), measured(candidate, held_out)
         by_domain = ({d: [measured(serving, rs)["alpha"], measured(candidate, rs)["alpha"]] for d, rs in groups.items()}

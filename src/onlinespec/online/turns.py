@@ -23,6 +23,7 @@ from collections.abc import Callable
 SLICE_SECONDS = 0.05  # a turn: units of work until this much time has passed (a unit is never cut)
 WINDOW_SECONDS = 30.0  # the share spent is measured over about this long (an exponential window)
 GRANTED = -1  # the turn's holder between the engine's grant and a learner thread taking it
+SUSPENDED_GAP = 1.0  # the engine wakes every 0.1 s while a turn runs: a longer gap is the process suspended, not learning
 
 
 class EngineTurns:
@@ -104,7 +105,8 @@ class EngineTurns:
 
     def give(self) -> float:
         """Give one turn to a waiting learner and wait until it hands it back; the seconds it took."""
-        start = self.clock()
+        start = last = self.clock()
+        suspended = 0.0  # a process stopped mid-turn (SIGSTOP, a frozen container) did not spend that time learning
         with self._cond:
             if not self.wanted():
                 return 0.0
@@ -115,7 +117,11 @@ class EngineTurns:
                     self._holder = None
                     break
                 self._cond.wait(0.1)
-        seconds = self.clock() - start
+                now = self.clock()
+                if now - last > SUSPENDED_GAP:
+                    suspended += now - last - 0.1
+                last = now
+        seconds = self.clock() - start - suspended
         self._decay()
         self._learn += seconds
         self.learn_seconds_total += seconds
