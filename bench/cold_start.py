@@ -10,7 +10,12 @@ target alone's measured capacity (requests per second at ``--max-batch`` in flig
 - ``packaged``: ``--draft hybrid``, the same with the packaged head (trained offline), learning;
 - ``suffix``: ``--draft suffix``, n-gram lookup + suffix index only (learning: the index);
 - ``alone``: ``--draft none``, the target alone (nothing to learn: it serves every
-  ``--alone-every``-th block only).
+  ``--alone-every``-th block only);
+- ``static``: ``--draft hybrid --static``, the packaged hybrid learning nothing (suffix index
+  included); ``index``: the same learning through its suffix index only (``--no-head-updates``).
+
+Closed loop (``--in-flight N``: N requests in flight, no arrival trace) compares learning on and
+off at full load, e.g. ``--in-flight 8 --configs packaged,index,static --domains chat``.
 
 **Interleaved in blocks**, so that the machine's drift (2-3x within an hour here) falls on every
 configuration alike: all servers start, then are paused (SIGSTOP); block after block of
@@ -49,7 +54,8 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "bench"))
 
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
-           "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"]}
+           "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"],
+           "index": ["--draft", "hybrid", "--no-head-updates"]}  # learning: the suffix index only (no records, no updates)
 
 
 def online_split(n: int, domains: list[str]) -> list:
