@@ -98,7 +98,7 @@ class _SplitVerdict(OnlineLearner):
             def objective(self, records, positions, depth, config):
                 return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)
 
-            def metrics(self, model, records, config):
+            def metrics(self, model, records, config, between=lambda: None):
                 if model is serving:
                     return {"loss": 1.0, "alpha": 0.5}
                 old = sum(r.domain == "old" for r in records) / len(records)
