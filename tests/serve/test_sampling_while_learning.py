@@ -3,8 +3,8 @@
 A serving core on the tiny random target, its draft a learning draft LM (the target's first layer),
 an update every 3 requests, the learner computing in the engine's turns (``learn_share`` 1.0: a
 turn after every step it asks for one), so optimizer steps, gate evaluations and hot swaps of the
-draft fall between the steps of requests in flight. N = 600 requests of 3 sampled tokens
-(temperature 1, top-k 3: 27 possible continuations), 8 in flight, seeds 0..599; the continuations
+draft fall between the steps of requests in flight. N = 400 requests of 3 sampled tokens
+(temperature 1, top-k 3: 27 possible continuations), 8 in flight, seeds 0..399; the continuations
 against the target alone's exact distribution, chi-square (bins of expected count < 5 pooled),
 p > 1e-3 (``PASS_P``); a continuation the target rules out must never appear.
 """
@@ -22,7 +22,7 @@ from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 from tests.decoding.test_lossless_engine import PASS_P, exact_distribution, fit
 
-N, NEW_TOKENS = 600, 3
+N, NEW_TOKENS = 400, 3
 PROMPT = [17, 404, 1121, 28]  # token ids: what the core serves is exactly what the exact distribution conditions on
 SAMPLING = dict(temperature=1.0, top_k=3)
 
