@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from onlinespec.decoding.adaptive import AdaptiveK, PlanRow, plan_step, proposal_budget
-from onlinespec.decoding.batch_cache import BatchKVCache
+from onlinespec.decoding.batch_cache import BatchKVCache, cache_arg
 from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.proposers.base import Proposal
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
@@ -208,14 +208,14 @@ def test_rows_with_holes_compute_what_each_request_computes_alone(tiny_llama):
     tokens = {"a": [1, 2, 3, 4, 5], "b": [6, 7], "c": [8, 9, 10, 1, 2, 3, 4, 5, 6]}
     for name, ids in tokens.items():
         own = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([ids]), cache=own)
+        model(input_ids=torch.tensor([ids]), **cache_arg(model, own))
         batch.add(name, own)
     generator = torch.Generator().manual_seed(0)
     for step in range(6):
         widths = [1 + (step + i) % 3 for i in range(len(batch.rows))]
         blocks = [torch.randint(0, 11, (w,), generator=generator).tolist() for w in widths]
         input_ids, positions, mask = batch.inputs(blocks, max(widths))
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=batch.cache).logits
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_arg(model, batch.cache)).logits
         kept = []
         for b, (name, block) in enumerate(zip(batch.rows, blocks)):
             alone = model(input_ids=torch.tensor([tokens[name] + block])).logits[0, -len(block):]

@@ -22,10 +22,31 @@ its row (:meth:`remove`).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache, DynamicLayer
 
 MIN_CAPACITY = 64
+
+
+def cache_arg(module: torch.nn.Module, cache: DynamicCache) -> dict:
+    """``{keyword: cache}`` for ``module``'s forward: transformers' recent releases call the KV cache
+    argument ``cache``, earlier 5.x releases ``past_key_values``. A forward given the other name
+    swallows it in ``**kwargs`` and runs without the cache (silently wrong logits), so every call
+    that passes a cache goes through here."""
+    return {_cache_keyword(type(module).forward): cache}
+
+
+@functools.cache
+def _cache_keyword(forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    raise TypeError(f"{forward.__qualname__} takes no KV cache argument (neither 'cache' nor 'past_key_values')")
 
 
 class _SlotLayer(DynamicLayer):
@@ -222,8 +243,9 @@ def forward(model, batch: BatchKVCache, blocks: list[list[int]], width: int) -> 
     input_ids, positions, mask = batch.inputs(blocks, width)
     sizes = [len(block) for block in blocks]
     if not hasattr(model, "get_decoder"):  # a model that only has a causal-LM forward
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=batch.cache).logits
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_arg(model, batch.cache)).logits
         return torch.cat([logits[b, :n] for b, n in enumerate(sizes)]), None
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=batch.cache).last_hidden_state
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_arg(decoder, batch.cache)).last_hidden_state
     picked = torch.cat([hidden[b, :n] for b, n in enumerate(sizes)])
     return model.get_output_embeddings()(picked), picked

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.data.sources import Query
+from onlinespec.decoding.batch_cache import cache_arg
 from onlinespec.models import cache_dir
 from onlinespec.tokens import encode_prompt, eos_token_ids
 
@@ -213,7 +214,7 @@ def _generate_batch(target, tokenizer, queries: list[Query], config: SignalConfi
     eos = set(eos_token_ids(target, tokenizer))
     cache = DynamicCache(config=target.config)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_arg(decoder, cache)).last_hidden_state
     features = [[hidden[r, width - len(p) + t] for t in range(len(p))] for r, p in enumerate(prompts)]
     tokens = [list(p) for p in prompts]
     generate = config.sampling != "fixed" and config.max_new_tokens > 0
@@ -236,7 +237,7 @@ def _generate_batch(target, tokenizer, queries: list[Query], config: SignalConfi
                 done[r] = int(choice[r]) in eos or len(tokens[r]) - len(prompts[r]) >= config.max_new_tokens
         mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], -1)
         positions = positions[:, -1:] + 1
-        step = decoder(input_ids=choice[:, None], attention_mask=mask, position_ids=positions, cache=cache).last_hidden_state[:, -1]
+        step = decoder(input_ids=choice[:, None], attention_mask=mask, position_ids=positions, **cache_arg(decoder, cache)).last_hidden_state[:, -1]
         for r in range(rows):
             if len(features[r]) < len(tokens[r]):
                 features[r].append(step[r])

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from onlinespec.distill.loop import run_steps
-from onlinespec.distill.step import DistillConfig, distill_step
 from onlinespec.distill.records import DistillRecord
+from onlinespec.distill.step import DistillConfig, distill_step
 from onlinespec.weights import load_weights, unique_tensors
 
 

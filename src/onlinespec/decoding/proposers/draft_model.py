@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from onlinespec.decoding.batch_cache import cache_arg
 from onlinespec.decoding.kvcache import truncate_cache
 from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, PerRequestProposer, Proposal, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
@@ -48,7 +49,7 @@ class DraftModelProposer(PerRequestProposer, SwappableDraft):
         forward = 0.0
         for _ in range(d.k):
             start = time.perf_counter()
-            logits = model(input_ids=torch.tensor([pending]), cache=state.cache, logits_to_keep=1).logits[0, -1]
+            logits = model(input_ids=torch.tensor([pending]), logits_to_keep=1, **cache_arg(model, state.cache)).logits[0, -1]
             forward += time.perf_counter() - start
             state.seen.extend(pending)
             if d.params.greedy:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from onlinespec.decoding.batch_cache import BatchKVCache
+from onlinespec.decoding.batch_cache import BatchKVCache, cache_arg
 from onlinespec.decoding.batch_cache import forward as batch_forward
 from onlinespec.decoding.kvcache import truncate_cache
 
@@ -67,13 +67,15 @@ class TorchRunner:
         return torch.tensor([tokens], device=self.device)
 
     def prefill(self, request: object, tokens: list[int]) -> None:
-        self.model.get_decoder()(input_ids=self._ids(tokens), cache=self._cache(request))
+        decoder = self.model.get_decoder()
+        decoder(input_ids=self._ids(tokens), **cache_arg(decoder, self._cache(request)))
 
     def forward_alone(self, request: object, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = self._cache(request)
         if not hasattr(self.model, "get_decoder"):  # a model with only a causal-LM forward
-            return _out(self.model(input_ids=self._ids(block), cache=cache, logits_to_keep=keep).logits[0]), None
-        hidden = self.model.get_decoder()(input_ids=self._ids(block), cache=cache).last_hidden_state[0, -keep:]
+            return _out(self.model(input_ids=self._ids(block), logits_to_keep=keep, **cache_arg(self.model, cache)).logits[0]), None
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=self._ids(block), **cache_arg(decoder, cache)).last_hidden_state[0, -keep:]
         return _out(self.model.get_output_embeddings()(hidden)), _out(hidden)
 
     def fork(self, donor: object, request: object, length: int) -> bool:
