@@ -11,7 +11,9 @@ detector, :meth:`OnlineLearner.hurry`). New and cold drafts therefore update at 
 a domain that has learnt what it can costs the engine a few updates an hour.
 
 The engine's learning share follows: the operator's ``--learn-share`` while any draft updates at
-the full rate, less (divided by the smallest backoff) once all have backed off. Every decision is
+the full rate, less (divided by the smallest backoff) once all have backed off. So does recording:
+a draft backed off ``b`` times traces and stores one request in ``b``
+(:meth:`OnlineLearner.records_next`), so its updates still see about I requests' records. Every decision is
 an event (``learn_control``) in the event log and the report.
 """
 

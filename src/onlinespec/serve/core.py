@@ -265,7 +265,7 @@ class ServingCore:
                 self.metrics.failures.labels("queue_full").inc()
                 raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None else None,
+                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next() else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
