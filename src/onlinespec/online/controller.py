@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 class ControllerConfig:
     window: int = 16  # requests served by a version (and by its parent before it) that judge an update
     min_gain: float = 0.01  # tokens per target forward an update must add to have earned its cost
-    patience: int = 3  # updates in a row that earn nothing before a draft backs off
+    patience: int = 2  # updates in a row that earn nothing before a draft backs off (3 cost 0.86x in docs/online-learning.md)
     max_backoff: int = 16  # the longest a draft's update interval grows, in configured intervals
 
 
