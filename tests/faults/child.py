@@ -4,7 +4,12 @@ has it (its training record is durable by then: an acknowledged record). Each up
 its end before the next request, so the n-th publish comes at a known point of the run. ``ONLINESPEC_KILL_AT``
 kills it at a named point, its hits counted from the first acknowledged request on (so every case
 has at least one acknowledged record to lose); ``FAULT_FSIZE`` caps the size of any file it writes from the first
-request on (``RLIMIT_FSIZE``: a disk that fills up while serving)."""
+request on (``RLIMIT_FSIZE``: a disk that fills up while serving).
+
+The suite starts it with :func:`forked`: from a fork server that has imported this module once
+(``tests/faults/conftest.py``), so each case pays no interpreter start-up or torch import, and
+the child is still a process of its own that the kill points SIGKILL. ``python child.py OUT
+TARGET N`` runs it the same way by hand."""
 
 from __future__ import annotations
 
@@ -54,6 +59,28 @@ def main() -> None:
     core.pool.wait(drain=True)
     print("DONE " + json.dumps({"governance": core.governance(), "drafts": core.drafts()}), flush=True)
     core.shutdown(5)
+
+
+def forked(out: str, target: str, n: int, stdout: str, stderr: str, kill_at: str = "", fsize: int | None = None) -> None:
+    """:func:`main` in a process forked from one that imported this module (the fault suite's fork
+    server): its output goes to the files ``stdout`` and ``stderr``, and ``kill_at`` and ``fsize`` take
+    the place of ``ONLINESPEC_KILL_AT`` and ``FAULT_FSIZE``."""
+    global KILL_AT
+    for fd, path in ((1, stdout), (2, stderr)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    KILL_AT = kill_at
+    os.environ.pop("ONLINESPEC_KILL_AT", None)
+    os.environ.pop("FAULT_FSIZE", None)
+    if fsize:
+        os.environ["FAULT_FSIZE"] = str(fsize)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh interpreter (its OpenMP read the variable at import)
+    sys.argv = [__file__, out, target, str(n)]
+    main()
 
 
 if __name__ == "__main__":

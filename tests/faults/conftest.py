@@ -7,6 +7,8 @@ Run it alone with ``pytest -m faults``."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -19,11 +21,10 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.serve.core import ServingCore
-from onlinespec.storage import KILL_ENV
 from onlinespec.weights import unique_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
-from child import config  # noqa: E402
+from child import config, forked  # noqa: E402
 
 CHILD = Path(__file__).parent / "child.py"
 
@@ -49,18 +50,40 @@ class Run:
         return [a["id"] for a in self.answers if a["recorded"]]
 
 
+@pytest.fixture(scope="session")
+def fork_server():
+    """Children are forked from a server process that imported ``child`` (and with it torch,
+    transformers' Llama and onlinespec) once: a case pays no interpreter start-up and imports
+    (about 3 s of its 5 on a CPU of the suite's), and its child is still a separate process,
+    killed for real. Python 3.11's fork server does not take the caller's ``sys.path``: it finds
+    ``child`` through ``PYTHONPATH``, set while it starts."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["child", "transformers.models.llama.modeling_llama", "transformers.generation.utils"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(CHILD.parent), *([before] if before else [])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return context
+
+
 @pytest.fixture
-def run_child(tiny_target_folder):
+def run_child(tiny_target_folder, fork_server, tmp_path_factory):
     def run(out: Path, n: int = 8, kill_at: str | None = None, fsize: int | None = None, timeout: float = 180) -> Run:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop(KILL_ENV, None)
-        if kill_at:
-            env[KILL_ENV] = kill_at
-        if fsize:
-            env["FAULT_FSIZE"] = str(fsize)
-        proc = subprocess.run([sys.executable, str(CHILD), str(out), str(tiny_target_folder), str(n)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        return Run(proc)
+        logs = tmp_path_factory.mktemp("child")
+        stdout, stderr = logs / "stdout", logs / "stderr"
+        child = fork_server.Process(target=forked, args=(str(out), str(tiny_target_folder), n, str(stdout), str(stderr), kill_at or "", fsize))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(f"{CHILD} {out}", timeout, stdout.read_text(), stderr.read_text())
+        return Run(subprocess.CompletedProcess([str(CHILD)], child.exitcode, stdout.read_text(), stderr.read_text()))
 
     return run
 
