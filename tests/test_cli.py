@@ -13,7 +13,9 @@ runner = CliRunner()
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_bench_writes_side_by_side_figures(tmp_path, backend):
-    """torch: beside HF assisted generation; auto: the packaged GGUF on llama.cpp (no HF there)."""
+    """torch: beside HF assisted generation; auto: the packaged GGUF on llama.cpp (no HF there). k = 4:
+    the torch cost curve it calibrates is the one test_greedy_identity's adaptive test reads (the
+    same target, k and batch size), measured once for both."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         '{"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}], "domain": "code"}\n'
@@ -21,10 +23,10 @@ def test_bench_writes_side_by_side_figures(tmp_path, backend):
     )
     out = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", "--prompts", str(prompts), "--json", str(out), "--draft", "ngram",
-                                 "--k", "3", "--max-new-tokens", "12", "--backend", backend])
+                                 "--k", "4", "--max-new-tokens", "12", "--backend", backend])
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
-    assert summary["n_prompts"] == 2 and summary["k"] == 3 and summary["draft"] == "ngram"
+    assert summary["n_prompts"] == 2 and summary["k"] == 4 and summary["draft"] == "ngram"
     hf = backend == "torch"
     assert summary["config"]["backend"] == ("torch" if hf else "llama.cpp")
     for key in ("speedup_vs_target", "predicted_speedup") + (("speedup_vs_hf",) if hf else ()):

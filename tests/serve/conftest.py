@@ -73,6 +73,14 @@ def launch(tiny_target_folder):
 
 
 @pytest.fixture(scope="module")
+def keyed_server(tiny_target_folder, tmp_path_factory):
+    """A server started with --api-key right, shared by the key cases (each sends its own requests)."""
+    process = start_server(tiny_target_folder, tmp_path_factory.mktemp("keyed") / "run", "--api-key", "right")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
 def deployment(tiny_target_folder, tmp_path_factory):
     """`onlinespec serve --replicas 2` on a local Ray cluster, shared by a module's tests. Its
     updates of 300 steps last long enough to kill the learner in one."""

@@ -88,8 +88,8 @@ def test_every_bad_request_gets_a_clear_error_while_a_good_one_completes(server,
 
 
 @pytest.mark.parametrize("key", [None, "wrong"])
-def test_an_api_key_guards_the_v1_routes(launch, tmp_path, key):
-    server = launch(tmp_path / "run", "--api-key", "right")
+def test_an_api_key_guards_the_v1_routes(keyed_server, key):
+    server = keyed_server
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.post(server.url + COMPLETIONS, headers=headers, json={"model": "x", "prompt": "a"})
     assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
