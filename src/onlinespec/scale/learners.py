@@ -238,6 +238,11 @@ class RemoteLearner:
     def governance(self) -> dict:
         return self._state["governance"]
 
+    def records_next(self) -> bool:
+        """Whether the next request is recorded: always. Replicas' updates run in the learner actor,
+        which no learning controller backs off, so their recording does not back off either."""
+        return True
+
     def records(self, generation, domain: str = "default", request_id: str = "") -> list:
         return records_from_generation(generation, self.config.position_policy, self.config.sampling, domain, request_id)
 
