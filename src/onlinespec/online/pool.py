@@ -265,11 +265,10 @@ class DraftPool:
         if draft.learner is None:
             return False
         untraced = not generation.trace and bool(generation.token_ids)  # left unrecorded: OnlineLearner.records_next
-        if route is None and not untraced:
-            stored = draft.learner.observe(generation, domain, request_id, train, start=False)
-        else:  # by content, records are judged by cluster (the gate holds out each cluster's newest) and scored for every draft
-            records = [] if untraced else draft.learner.records(generation, f"c{route.cluster}", request_id)
-            stored = draft.learner.observe_records(records, len(generation.token_ids), start=False) and not untraced
+        # routed by content, records are judged by cluster (the gate holds out each cluster's newest) and scored for every draft
+        group = domain if route is None else f"c{route.cluster}"
+        records = [] if untraced else draft.learner.records(generation, group, request_id)
+        stored = draft.learner.observe_records(records, len(generation.token_ids), start=False) and not untraced
         if route is not None:
             self.content.observed(route, records, generation.stats.acceptance_rate, generation.stats.accepted + generation.stats.rejected)
         with self._lock:
