@@ -102,3 +102,18 @@ def test_housekeeping_that_raises_is_counted_on_metrics_and_goes_on(core):
         core.pool.tick = tick
     assert len(calls) >= 4, "housekeeping stopped after its first failure"
     assert core.metrics.registry.get_sample_value("onlinespec:housekeeping_failures_total") == 2
+
+
+def test_an_engine_loop_that_stops_fails_what_waits_and_says_so_instead_of_hanging(core):
+    """A fault outside a step's own guard (the learning bookkeeping between steps) stops the engine
+    loop: the request in flight fails with the cause, the core is no longer ready (/ready: 503), and
+    new requests are refused, not left waiting for ever."""
+    def broken(seconds, batch):
+        raise ZeroDivisionError("injected fault between steps")
+
+    core.share.stepped = broken
+    with pytest.raises(Failed, match="injected fault between steps"):
+        core.submit("def f(x):", SamplingParams(temperature=0.0), max_tokens=8).result()
+    assert not core.ready and "injected fault" in core.error
+    with pytest.raises(Exception, match="not ready|failed"):
+        core.submit("def f(x):", SamplingParams(temperature=0.0), max_tokens=8)

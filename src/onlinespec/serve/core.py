@@ -136,7 +136,14 @@ class ServingCore:
             return
         finally:
             loaded.set()
-        self._loop()
+        try:
+            self._loop()
+        except Exception as err:  # outside a step's own guard (a bug): say so and fail what waits, never hang
+            logging.getLogger("onlinespec.serve").exception("the engine loop stopped")
+            self.status, self.error = "failed", f"the engine loop stopped: {type(err).__name__}: {err}"
+            self.event({"event": "engine_failed", "error": self.error})
+            for handle in list(self._handles.values()):
+                self._fail(handle, Failed(f"the server failed ({self.error}); it answers no more requests until restarted"))
 
     def _load(self) -> None:
         config = self.config
