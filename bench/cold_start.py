@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "bench"))
 
+ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end reads /admin/drafts (learning share, headroom)
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
            "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"],
            "index": ["--draft", "hybrid", "--no-head-updates"]}  # learning: the suffix index only (no records, no updates)
@@ -84,6 +85,7 @@ class Paused:
         self.model = self.client.models.list().data[0].id
         self.rows: dict[int, dict] = {}
         self.walls: dict[int, float] = {}  # block -> seconds it took
+        self.learning: dict[int, dict] = {}  # block -> the server's learning state at its end (share, headroom, backoff)
         self.pause()
 
     def pause(self) -> None:
@@ -95,6 +97,7 @@ class Paused:
     def play(self, block: int, queries, indices: list[int], arrivals: list[float] | None, max_tokens: int, in_flight: int) -> float:
         """Serve ``indices`` at their arrival gaps (open loop), or ``in_flight`` at a time (closed
         loop: ``arrivals`` None), wait for every answer; wall seconds."""
+        import httpx
         from serve_load import send
 
         self.resume()
@@ -115,8 +118,9 @@ class Paused:
                 threads.append(thread)
             for thread in threads:
                 thread.join()
-        self.pause()
         self.walls[block] = seconds = time.perf_counter() - start
+        self.learning[block] = httpx.get(self.server.url + "/admin/drafts", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                                         timeout=60).json()["learning"]
         return seconds
 
 
@@ -138,7 +142,8 @@ def capacity(args, queries, out: Path) -> float:
 
 
 def interleaved(names: list[str], args, queries, arrivals: list[float] | None, out: Path) -> dict:
-    """Every configuration over the trace, block by block in turn; {name: (rows, updates, controller events)}."""
+    """Every configuration over the trace, block by block in turn; {name: (rows, updates, controller events, block walls,
+    learning state at each block's end)}."""
     from onlinespec.serve.server import ServerProcess
 
     with contextlib.ExitStack() as stack:
@@ -147,6 +152,7 @@ def interleaved(names: list[str], args, queries, arrivals: list[float] | None, o
             shutil.rmtree(out / name, ignore_errors=True)  # every run starts from nothing learnt
             process = stack.enter_context(ServerProcess(
                 [*CONFIGS[name], "--out-dir", str(out / name), "--max-batch", str(args.max_batch), "--max-waiting", "512",
+                 "--admin-key", ADMIN_KEY,
                  *args.server_args], log=out / f"{name}.log"))
             stack.callback(process.process.send_signal, signal.SIGCONT)  # resumed before it is asked to stop
             servers[name] = Paused(name, process)
@@ -178,7 +184,7 @@ def interleaved(names: list[str], args, queries, arrivals: list[float] | None, o
         control = [e for e in logged if e["event"] == "learn_control"]
         print(f"[{name}] {len(updates)} updates ({sum(1 for u in updates if u.get('version'))} published), "
               f"{len(control)} controller decisions", flush=True)
-        results[name] = rows, updates, control, paused.walls
+        results[name] = rows, updates, control, paused.walls, paused.learning
     return results
 
 
@@ -283,12 +289,13 @@ def main() -> None:
                 arrivals.append(t)
         names = args.configs.split(",")
         runs, texts = {}, {}
-        for name, (rows, updates, control, walls) in interleaved(names, args, queries, arrivals, out).items():
+        for name, (rows, updates, control, walls, learning) in interleaved(names, args, queries, arrivals, out).items():
             texts[name] = {r["id"]: r["text"] for r in rows}
             n = len(queries)
             runs[name] = {"blocks": blocks(rows, args.block, walls), "updates": len(updates),
                           "tokens_per_s": sum(r["tokens"] for r in rows if r["error"] is None) / sum(walls.values()),
                           "published": sum(1 for u in updates if u.get("version")), "controller": control,
+                          "learning_by_block": [learning[b] for b in sorted(learning)],
                           "windows": {"201_300": window(rows, 201, 300), "last_200": window(rows, max(1, n - 199), n)},
                           "text_sha256": {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in texts[name].items()}}
         reference = texts.get("alone", {})

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from onlinespec.decoding.adaptive import AdaptiveK, PlanRow, plan_step, proposal_budget
+from onlinespec.decoding.adaptive import AdaptiveK, PlanRow, could_pay, plan_step, proposal_budget
 from onlinespec.decoding.batch_cache import BatchKVCache, cache_arg
 from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.proposers.base import Proposal
@@ -184,6 +184,16 @@ def test_proposal_budget_follows_the_batch_size():
     adaptive = AdaptiveK(curve)
     assert proposal_budget([adaptive], 3) == 3
     assert proposal_budget([adaptive] * 8, 3) == 0
+
+
+def test_could_pay_asks_the_curve_whether_any_draft_could_pay_at_a_batch_size():
+    """Measured on llama.cpp here (docs/online-learning.md): at 8 requests a forward over 2 tokens
+    costs 1.8x one over 1, and no per-step acceptance below 0.95 pays for it."""
+    curve = CostCurve({(1, 64): [1.0, 1.3, 1.6], (8, 64): [2.0, 3.66, 5.3]})
+    adaptive = AdaptiveK(curve)
+    assert could_pay(adaptive, 1, 4) and could_pay(adaptive, 4, 4)
+    assert not could_pay(adaptive, 8, 4) and could_pay(adaptive, 8, 4, acceptance=1.0)
+    assert could_pay(adaptive, 8, 8, acceptance=0.9) is False  # blocks wider than the curve measured are not judged
 
 
 def test_cost_curve_interpolates_batch_and_context():

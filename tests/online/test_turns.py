@@ -49,7 +49,10 @@ def test_learning_and_serving_never_compute_at_once_and_every_unit_runs():
     assert turns.turns_total >= 2  # the update was cut into several turns
 
 
-def test_under_load_the_share_spent_stays_near_the_limit():
+@pytest.mark.parametrize("payable, expected", [(1.0, 0.2), (0.5, 0.1), (0.0, 0.0)])
+def test_under_load_the_share_spent_stays_near_the_limit_times_the_headroom(payable, expected):
+    """A step at a batch where no draft could pay leaves no room for learning: with half the
+    serving time there, half the share; with all of it, none (a compute-bound load)."""
     now = [0.0]
     turns = EngineTurns(share=0.2, slice_seconds=0.05, clock=lambda: now[0])
     waiting = threading.Event()
@@ -66,12 +69,13 @@ def test_under_load_the_share_spent_stays_near_the_limit():
     thread = threading.Thread(target=learner, daemon=True)
     thread.start()
     assert waiting.wait(5)
-    for _ in range(600):  # 30 s of 50 ms steps on the fake clock
+    for i in range(600):  # 30 s of 50 ms steps on the fake clock
         now[0] += 0.05
-        turns.served(0.05)
+        turns.served(0.05, payable=(i % 2 == 0) if payable == 0.5 else bool(payable))
         if turns.due():
             turns.give()
-    assert turns.spent() == pytest.approx(0.2, abs=0.05)
+    assert turns.headroom() == pytest.approx(payable, abs=0.02)
+    assert turns.spent() == pytest.approx(expected, abs=0.05 if expected else 0.0)
     stop.set()
     turns.close()
     thread.join(5)

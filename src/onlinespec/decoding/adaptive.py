@@ -34,6 +34,9 @@ BINS = 10
 # forward and the draft, not the verification and bookkeeping each proposal adds (a few percent of
 # a step, docs/engine-batched.md), so a predicted tie is a loss.
 MIN_GAIN = 0.05
+# The per-step acceptance a well-aligned draft reaches (online-distilled drafts in arXiv 2310.07177,
+# section 5, reach alpha 0.65-0.9): the most learning can hope for, in :func:`could_pay`.
+REACHABLE_ACCEPTANCE = 0.9
 ANY = "*"  # statistics of a draft's proposals whatever drafter made them (planning before drafting)
 
 
@@ -184,13 +187,26 @@ def proposal_budget(
     planner = next((a for a in adaptives if a is not None), None)
     if planner is None or k <= 0:
         return k
-    batch = len(adaptives)
     estimates = [a.step_estimates(k) if a is not None else [1.0] * k for a in adaptives]
+    return k if _speculation_pays(planner, estimates, k, context, draft_step_seconds) else 0
+
+
+def could_pay(planner: AdaptiveK, batch: int, k: int, acceptance: float = REACHABLE_ACCEPTANCE, context: int = CONTEXTS[0]) -> bool:
+    """Whether a draft accepted ``acceptance`` of the time at every step could beat plain decoding
+    at ``batch`` rows, from the target's cost curve alone (drafting taken as free). False where
+    a wider forward costs about as much as the tokens it could add (a compute-bound batch): there
+    no draft pays, whatever it learns. Blocks wider than the curve measured are not judged."""
+    k = min(k, planner.curve.max_width - 1)
+    return _speculation_pays(planner, [[acceptance] * k] * batch, k, context, 0.0)
+
+
+def _speculation_pays(planner: AdaptiveK, estimates: list[list[float]], k: int, context: int, draft_step_seconds: float) -> bool:
+    """Some number of proposals ``n <= k`` per row (each row's per-step acceptance ``estimates``)
+    beats plain decoding's rate by ``MIN_GAIN``."""
+    batch = len(estimates)
     plain = (1 + MIN_GAIN) * batch / planner.cost(1, batch, context)
-    for n in range(1, k + 1):
-        if sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds) > plain:
-            return k
-    return 0
+    return any(sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds) > plain
+               for n in range(1, k + 1))
 
 
 def trim(proposal: Proposal, n: int) -> Proposal:

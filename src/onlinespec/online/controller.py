@@ -15,6 +15,11 @@ the full rate, less (divided by the smallest backoff) once all have backed off. 
 a draft backed off ``b`` times traces and stores one request in ``b``
 (:meth:`OnlineLearner.records_next`), so its updates still see about I requests' records. Every decision is
 an event (``learn_control``) in the event log and the report.
+
+What no update can earn is not tried at all: under a load where no draft could pay (a batch so
+large that a wider forward costs what its extra tokens bring), the engine gives no turn and
+records nothing, whatever this controller allows (the headroom,
+:meth:`onlinespec.online.turns.EngineTurns.headroom`); learning there waits for idle time.
 """
 
 from __future__ import annotations

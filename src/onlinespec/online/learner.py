@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
-import itertools
 import logging
 import math
 import os
@@ -189,7 +188,8 @@ class OnlineLearner:
         self.due_since: float | None = None  # when the update now due fell due (time.monotonic)
         self._waited = 0.0  # seconds the update in flight waited for the engine's turns
         self.backoff = 1  # updates every backoff x I units: set by the controller when updates stop earning (onlinespec.online.controller)
-        self._offered = itertools.count(1)  # requests offered to records_next
+        self._record_credit = 0.0  # records_next: a request is recorded each time this reaches 1
+        self._record_lock = threading.Lock()
         current = self._recover()
         if current is None:
             registry.publish(proposer.model.state_dict(), {"parent": None, "records_seen": 0, "note": "starting draft",
@@ -258,14 +258,22 @@ class OnlineLearner:
             self.maybe_update()
         return stored
 
-    def records_next(self) -> bool:
-        """Whether the next request this draft serves is traced and recorded: every one at the
-        full rate, one in ``backoff`` while its updates back off. An update then still learns from
-        about I requests' records, while what recording costs the engine (the target's top-K and
-        features at every verified position, the records, their durable writes: about 4% of
-        llama.cpp's tokens/s at 8 in flight, ``bench/online_overhead.py``) falls with the update
-        rate. A request left unrecorded still counts towards the interval and feeds the suffix index."""
-        return next(self._offered) % self.backoff == 0
+    def records_next(self, headroom: float = 1.0) -> bool:
+        """Whether the next request this draft serves is traced and recorded: a share
+        ``headroom / backoff`` of them, evenly (every one at the full rate and full headroom, one
+        in ``backoff`` while its updates back off). ``headroom``: the share of the engine's time at
+        loads where a draft could pay (:meth:`onlinespec.online.turns.EngineTurns.headroom`). An
+        update then still learns from about I requests' records at full headroom, while what
+        recording costs the engine (the target's top-K and features at every verified position,
+        the records, their durable writes: about 4% of llama.cpp's tokens/s at 8 in flight,
+        ``bench/online_overhead.py``) falls with the update rate and with what learning could
+        earn. A request left unrecorded still counts towards the interval and feeds the suffix index."""
+        with self._record_lock:
+            self._record_credit += max(0.0, min(1.0, headroom)) / self.backoff
+            if self._record_credit >= 1.0 - 1e-9:
+                self._record_credit -= 1.0
+                return True
+            return False
 
     @property
     def due(self) -> bool:

@@ -9,8 +9,12 @@ never compute at once, and the learner may use every core while it holds its tur
 
 When no request is waiting the engine gives turn after turn (learning at full speed, a new
 request waiting at most one unit of work). Under load it gives one only while the share of its
-wall time spent learning, over the last ``window_seconds``, is below ``share``: the operator's
-``--learn-share``, or less if a controller lowers it. The share actually spent is on /metrics.
+wall time spent learning, over the last ``window_seconds``, is below ``share`` (the operator's
+``--learn-share``, or less if a controller lowers it) times the **headroom**: the share of its
+serving time, over the same window, spent in steps where a draft could pay at all. A step of a
+batch so large that a wider forward costs about what its extra tokens bring (compute-bound: on
+llama.cpp here, 8 requests) gains nothing from any draft, so learning under that load would be
+spent for nothing. The share actually spent and the headroom are on /metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class EngineTurns:
         self._until = 0.0  # the turn's end
         self._closed = False  # shutting down: learners run without turns (a drain must finish)
         self._learn = self._serve = 0.0  # seconds in the window (decayed)
+        self._payable = 0.0  # of _serve, in steps where a draft could pay (the headroom's numerator)
         self._at = clock()
         self.learn_seconds_total = 0.0
         self.turns_total = 0
@@ -96,12 +101,19 @@ class EngineTurns:
         """Under load: whether the share spent over the window leaves room for a turn."""
         self._decay()
         total = self._learn + self._serve
-        return self.wanted() and (total == 0.0 or self._learn / total < self.share)
+        return self.wanted() and (total == 0.0 or self._learn / total < self.share * self.headroom())
 
-    def served(self, seconds: float) -> None:
-        """The engine spent ``seconds`` serving (a step)."""
+    def served(self, seconds: float, payable: bool = True) -> None:
+        """The engine spent ``seconds`` serving (a step); ``payable``: at a batch size where a draft
+        could pay (:func:`onlinespec.decoding.adaptive.could_pay`)."""
         self._decay()
         self._serve += seconds
+        self._payable += seconds if payable else 0.0
+
+    def headroom(self) -> float:
+        """The share of the serving time over the last window spent in steps where a draft could
+        pay (1 before any step)."""
+        return self._payable / self._serve if self._serve > 0.0 else 1.0
 
     def give(self) -> float:
         """Give one turn to a waiting learner and wait until it hands it back; the seconds it took."""
@@ -147,4 +159,4 @@ class EngineTurns:
     def _decay(self) -> None:
         now = self.clock()
         factor = math.exp(-(now - self._at) / self.window_seconds)
-        self._learn, self._serve, self._at = self._learn * factor, self._serve * factor, now
+        self._learn, self._serve, self._payable, self._at = self._learn * factor, self._serve * factor, self._payable * factor, now

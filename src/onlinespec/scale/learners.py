@@ -238,7 +238,7 @@ class RemoteLearner:
     def governance(self) -> dict:
         return self._state["governance"]
 
-    def records_next(self) -> bool:
+    def records_next(self, headroom: float = 1.0) -> bool:
         """Whether the next request is recorded: always. Replicas' updates run in the learner actor,
         which no learning controller backs off, so their recording does not back off either."""
         return True

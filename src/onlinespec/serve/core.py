@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from onlinespec.cpu import ENGINE_THREAD, name_thread
+from onlinespec.decoding.adaptive import could_pay
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.decoding.request import RequestState
@@ -174,7 +175,8 @@ class ServingCore:
                         saved_drafts(self.out_dir) if learning else ())
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
         if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
-            self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine)
+            self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
+                                       payable=(lambda batch: could_pay(adaptive, batch, config.k)) if adaptive is not None else lambda batch: True)
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
                               config.buffer_records, on_event=self.learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
@@ -272,7 +274,7 @@ class ServingCore:
                 self.metrics.failures.labels("queue_full").inc()
                 raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next() else None,
+                                 adaptive=chosen.adaptive, trace=[] if train and self._records_next(chosen) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
@@ -359,12 +361,18 @@ class ServingCore:
                 self._reset(f"{type(err).__name__}: {err}")
                 continue
             if self.share is not None:
-                self.share.stepped(time.perf_counter() - tick)
+                self.share.stepped(time.perf_counter() - tick, report.batch if report is not None else 0)
             kill_point("serve.step")
             self.metrics.batch(*batch_state(self.scheduler))
             now = time.perf_counter()
             for state in advanced:
                 self._advance(state, now)
+
+    def _records_next(self, draft: Draft) -> bool:
+        """Whether ``draft``'s next request is traced and recorded (:meth:`OnlineLearner.records_next`)."""
+        if draft.learner is None:
+            return False
+        return self.share.records_next(draft) if self.share is not None else draft.learner.records_next()
 
     def _advance(self, state: RequestState, now: float) -> None:
         handle = self._handles.get(state.id)

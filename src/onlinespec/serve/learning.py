@@ -1,12 +1,15 @@
 """Learning in the engine's turns (``--learn-share``, :mod:`onlinespec.online.turns`): updates
 compute on the engine thread between two steps, so they never slow a step down. The engine loop
 gives the learners a turn whenever they want one while it is idle, and under load while the share
-of its time spent learning is below the limit. The learning controller
+of its time spent learning is below the limit times the headroom (the share of its serving time at
+batch sizes where a draft could pay at all, :func:`onlinespec.decoding.adaptive.could_pay`); so
+does recording (:meth:`LearningShare.records_next`). The learning controller
 (:mod:`onlinespec.online.controller`) sets that limit and each draft's update interval from what
 the drafts served and what their updates bought."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from onlinespec.decoding.request import RequestStats
@@ -22,8 +25,10 @@ class LearningShare:
     the engine loop when a learner wants a turn."""
 
     def __init__(self, limit: float, metrics: ServeMetrics, drafts: Callable[[], dict[str, Draft]],
-                 event: Callable[[dict], None], on_wanted: Callable[[], None]) -> None:
+                 event: Callable[[dict], None], on_wanted: Callable[[], None], payable: Callable[[int], bool] = lambda batch: True) -> None:
+        """``payable(batch)``: whether a draft could pay at all at that batch size (default: always)."""
         self.turns = EngineTurns(limit, on_wanted=on_wanted)
+        self.payable = functools.lru_cache(maxsize=None)(payable)
         self.controller = LearnController(limit)  # learn when it pays
         self.metrics, self.drafts, self.event = metrics, drafts, event
         metrics.learn_share_limit.set(limit)
@@ -39,10 +44,18 @@ class LearningShare:
             self.metrics.learn_seconds.inc(turns.give())
         self.metrics.learn_share.set(turns.spent())
 
-    def stepped(self, seconds: float) -> None:
-        """The engine served a step that took ``seconds``; a learner's turn may be due."""
-        self.turns.served(seconds)
+    def stepped(self, seconds: float, batch: int) -> None:
+        """The engine served a step of ``batch`` requests that took ``seconds`` (0: prompt chunks
+        only, which no draft speeds up or slows down); a learner's turn may be due."""
+        self.turns.served(seconds, batch < 1 or self.payable(batch))
+        self.metrics.learn_headroom.set(self.turns.headroom())
         self.give(idle=False)
+
+    def records_next(self, draft: Draft) -> bool:
+        """Whether ``draft``'s next request is traced and recorded: at the headroom's rate, over
+        the draft's backoff (:meth:`OnlineLearner.records_next`). Under a load where no draft can
+        pay, recording would cost the engine about 4% (llama.cpp, 8 in flight) for nothing."""
+        return draft.learner.records_next(self.turns.headroom())
 
     def served(self, draft: Draft, stats: RequestStats) -> None:
         self._control(self.controller.served(draft.name, draft.version, stats.new_tokens, stats.target_calls))
@@ -69,7 +82,7 @@ class LearningShare:
         """The share allowed now (the controller's, at most --learn-share), the share spent over the
         last 30 s, the engine seconds and turns given, each draft's update interval backoff."""
         turns = self.turns
-        return dict(share_limit=round(turns.share, 4), share_spent=round(turns.spent(), 4),
+        return dict(share_limit=round(turns.share, 4), share_spent=round(turns.spent(), 4), headroom=round(turns.headroom(), 4),
                     engine_seconds=round(turns.learn_seconds_total, 3), turns=turns.turns_total,
                     longest_turn_seconds=round(turns.longest_turn_seconds, 3),
                     backoff={name: d.learner.backoff for name, d in self.drafts().items() if d.learner is not None})

@@ -50,6 +50,8 @@ class ServeMetrics:
                                  "onlinespec.online.turns)", registry=r)
         self.learn_share_limit = Gauge(name("learn_share_limit"), "The most of the engine's time learning may take under load",
                                        registry=r)
+        self.learn_headroom = Gauge(name("learn_headroom"), "Share of the engine's serving time (last 30 s) at batch sizes "
+                                    "where a draft could pay at all: learning and recording under load scale with it", registry=r)
         self.learn_seconds = Counter(name("learn_seconds"), "Engine seconds given to learning", registry=r)
         self.update_seconds = Histogram(name("learner_update_seconds"), "Wall time of one update", ("draft",),
                                         buckets=(1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640), registry=r)

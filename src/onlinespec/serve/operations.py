@@ -13,7 +13,6 @@ import torch
 
 from onlinespec.cpu import name_thread
 from onlinespec.online.pool import Draft, DraftPool, learner_row
-from onlinespec.online.turns import EngineTurns
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, ServeError
 from onlinespec.serve.metrics import ServeMetrics
@@ -89,18 +88,6 @@ def draft_rows(pool: DraftPool, baselines: dict[str, Draft]) -> list[dict]:
                   "learning": True} for n in routing["evicted"]]
         rows += [{"name": n, "state": f"retired: {why}", "learning": False} for n, why in routing["retired"].items()]
     return rows
-
-
-def learning_state(config: CoreConfig, pool: DraftPool, turns: EngineTurns | None) -> dict:
-    """Whether the drafts learn, and the engine time it takes: the share allowed now (the
-    controller's, at most --learn-share), the share spent over the last 30 s, the seconds given."""
-    state = {"learning": config.learning, "paused": pool.paused, "busy": pool.busy}
-    if turns is not None:
-        state.update(share_limit=round(turns.share, 4), share_spent=round(turns.spent(), 4),
-                     engine_seconds=round(turns.learn_seconds_total, 3), turns=turns.turns_total,
-                     longest_turn_seconds=round(turns.longest_turn_seconds, 3),
-                     backoff={name: d.learner.backoff for name, d in pool.drafts.items() if d.learner is not None})
-    return state
 
 
 def housekeep(pool: DraftPool, metrics: ServeMetrics, stopping: Callable[[], bool]) -> None:
