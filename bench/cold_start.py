@@ -5,8 +5,10 @@ fed the same trace of online-split requests (chat, code and maths in turn) arriv
 process, open loop as vLLM's serving benchmark does with ``--request-rate``, at ``--load`` times the
 target alone's measured capacity (requests per second at ``--max-batch`` in flight, greedy):
 
-- ``fresh``: ``--draft hybrid:fresh``, n-gram lookup + suffix index + a head born from the
-  target (its vocabulary from the served text), learning from the first request;
+- ``fresh``: ``--draft hybrid:fresh --router single``, n-gram lookup + suffix index + a head born
+  from the target (its vocabulary from the served text), learning from the first request, one
+  draft for every domain (a cold head learns faster from all the traffic than from a third of it:
+  ``bench/fresh_head_data.py``); ``fresh-domain``: the same, one draft per domain;
 - ``packaged``: ``--draft hybrid``, the same with the packaged head (trained offline), learning;
 - ``suffix``: ``--draft suffix``, n-gram lookup + suffix index only (learning: the index);
 - ``alone``: ``--draft none``, the target alone (nothing to learn: it serves every
@@ -54,7 +56,7 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "bench"))
 
 ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end reads /admin/drafts (learning share, headroom)
-CONFIGS = {"fresh": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
+CONFIGS = {"fresh": ["--draft", "hybrid:fresh", "--router", "single"], "fresh-domain": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
            "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"],
            "index": ["--draft", "hybrid", "--no-head-updates"]}  # learning: the suffix index only (no records, no updates)
 

@@ -98,7 +98,7 @@ class _SplitVerdict(OnlineLearner):
             def objective(self, records, positions, depth, config):
                 return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)
 
-            def metrics(self, model, records, config, between=lambda: None):
+            def metrics(self, model, records, config, between=lambda: None, per_position=False):
                 if model is serving:
                     return {"loss": 1.0, "alpha": 0.5}
                 old = sum(r.domain == "old" for r in records) / len(records)
@@ -125,6 +125,36 @@ def test_domain_gate_refuses_a_candidate_that_serves_an_earlier_domain_worse(tin
     domain = verdicts["domain"]
     assert domain.version is None
     assert domain.by_domain["new"][1] > domain.by_domain["new"][0] and domain.by_domain["old"][1] < domain.by_domain["old"][0]
+
+
+def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tmp_path):
+    """A candidate that gains on one domain passes when another moves by less than its paired
+    noise (a few held-out requests), and is refused when that one clearly falls."""
+    from types import SimpleNamespace
+
+    *_, learner = setup(tiny_llama, tmp_path, background=False)
+    serving, candidate = learner._latest[0], object()
+
+    class Judge:
+        def metrics(self, model, records, config, between=lambda: None, per_position=False):
+            values = torch.tensor([r.before if model is serving else r.after for r in records])
+            out = {"loss": 1.0, "alpha": float(values.mean())}
+            return {**out, "alphas": values} if per_position else out
+
+    learner.learnable = Judge()
+    gen = torch.Generator().manual_seed(0)
+
+    def domain(name: str, gain: float, spread: float, n: int = 200) -> list:
+        before = 0.5 + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64)
+        noise = torch.randn(n, generator=gen, dtype=torch.float64)
+        after = before + gain + spread * (noise - noise.mean())  # the mean change is exactly `gain`
+        return [SimpleNamespace(domain=name, before=float(b), after=float(a)) for b, a in zip(before, after)]
+
+    grows = domain("a", 0.12, 0.1)
+    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.003, 0.15)})
+    assert passed and by_domain["b"][1] < by_domain["b"][0]  # fell by 0.003, with a standard error of about 0.01
+    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.05, 0.05)})
+    assert not passed  # fell by 0.05, with a standard error of about 0.004
 
 
 def test_domain_gate_holds_out_the_newest_records_of_each_domain(tiny_llama, tmp_path):

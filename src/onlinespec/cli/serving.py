@@ -48,6 +48,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "buffer_policy": (Annotated[str, typer.Option(help="clear, window, reservoir or priority")], CoreConfig.buffer_policy),
     "buffer_records": (Annotated[int, typer.Option(min=1, help="the most records a draft's replay buffer keeps")], CoreConfig.buffer_records),
     "steps_per_update": (Annotated[int, typer.Option(min=1)], LearnerConfig.steps_per_update),
+    "cold_steps": (Annotated[int, typer.Option(min=1, help="a draft born from the target (a fresh head) takes this many times the steps")],
+                   LearnerConfig.cold_steps),
     "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
     "lr": (Annotated[float, typer.Option(help="learner learning rate (> 0)")], LearnerConfig.lr),
     "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
@@ -86,7 +88,8 @@ CORE_OPTIONS: dict[str, tuple] = {
 def _core_config(o: dict) -> CoreConfig:
     learner = LearnerConfig(
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
-        distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"], batch_size=o["batch_size"],
+        distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"],
+        cold_steps=o["cold_steps"], batch_size=o["batch_size"],
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )

@@ -229,14 +229,16 @@ def chain_task(records, position_policy: str, chain: ChainConfig = ChainConfig()
 
 @torch.inference_mode()
 def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK,
-                 between: Callable[[], None] = lambda: None) -> dict[str, float]:
+                 between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
     """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
     (over the stored top-K plus the tail bucket): the gate's figures, as for draft LMs.
 
     Computed ``chunk`` positions at a time: the head's logits over every held-out position at once
     would take positions x vocabulary floats (400 records x 60 positions x 8,192 ids is 0.8 GB),
     a peak that grew with the replay buffer. ``between()`` runs after each chunk: the online
-    learner hands the engine its turn back there, so a step never waits for a whole evaluation."""
+    learner hands the engine its turn back there, so a step never waits for a whole evaluation.
+    ``per_position``: also ``alphas``, each position's alpha (for a paired comparison of two heads
+    on the same records: the gate's noise)."""
     from onlinespec.distill.losses import bucket_log_probs
 
     signal, _ = records_to_signal(records)
@@ -244,6 +246,7 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
     if len(task) == 0:
         return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0}
     loss = agreement = alpha = 0.0
+    alphas = []
     for starts in task.starts.split(chunk):
         _, logits, pos, _ = next(task.chain_outputs(head, starts, depth=1))
         extended = torch.cat([logits, logits.new_full((len(logits), 1), _ABSENT)], -1)
@@ -251,7 +254,11 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
         loss += float(distill_loss(config.loss, extended, teacher, temperature=config.temperature, beta=config.beta)) * len(starts)
         log_p, log_q = bucket_log_probs(extended, teacher)
         agreement += float((head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]).sum())
-        alpha += float(torch.minimum(log_p.exp(), log_q.exp()).sum(-1).sum())
+        each = torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+        alpha += float(each.sum())
+        if per_position:
+            alphas.append(each.detach())
         between()
     n = len(task)
-    return {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n}
+    out = {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n}
+    return {**out, "alphas": torch.cat(alphas)} if per_position else out

@@ -21,6 +21,7 @@ class Pending:
     candidate: object
     optimizer: object
     examples: int
+    steps: int
     parent: str
     trained_on: set  # id() of the records it trained on (the pending entry keeps them alive)
     records: list
@@ -31,7 +32,7 @@ class NextGate:
         self.pending: Pending | None = None
 
     def take(self, records: list, parent: str, gate_by: str):
-        """(candidate, optimizer, examples, held-out groups) of the pending candidate, judged on
+        """(candidate, optimizer, examples, steps, held-out groups) of the pending candidate, judged on
         ``records`` it did not train on; None if there is none to judge (yet)."""
         pending = self.pending
         if pending is None or pending.parent != parent:
@@ -41,15 +42,15 @@ class NextGate:
         if not fresh:
             return None
         self.pending = None
-        return pending.candidate, pending.optimizer, pending.examples, groups(fresh, gate_by)
+        return pending.candidate, pending.optimizer, pending.examples, pending.steps, groups(fresh, gate_by)
 
     def train(self, learner, records: list) -> None:
         """Train the next candidate on every record, from the newest published draft; keep it pending."""
         serving, parent = learner._latest
         trained = learner._train(serving, records)
         if trained is not None:
-            candidate, optimizer, examples = trained
-            self.pending = Pending(candidate, optimizer, examples, parent, {id(r) for r in records}, list(records))
+            candidate, optimizer, examples, steps = trained
+            self.pending = Pending(candidate, optimizer, examples, steps, parent, {id(r) for r in records}, list(records))
 
 
 def groups(records: list, gate_by: str) -> dict[str, list]:

@@ -39,9 +39,10 @@ class LearnableDraft(Protocol):
         """Training on ``records`` (``positions``: the recorder's position policy; ``depth``: chain length)."""
 
     def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig,
-                between: Callable[[], None] = lambda: None) -> dict[str, float]:
+                between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
         """loss, agreement and alpha on held-out ``records`` (the gate's figures); ``between()`` runs
-        between the pieces it is computed in (where the learner may hand the engine its turn back)."""
+        between the pieces it is computed in (where the learner may hand the engine its turn back).
+        ``per_position``: also ``alphas``, each position's alpha, where the draft can tell them."""
 
     def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
         """Load published weights strictly (a ValueError, naming ``label``, if they do not fit)."""
@@ -71,8 +72,8 @@ class DraftLM(_Strict):
     def objective(self, records, positions, depth, config):
         return Objective(list(records), lambda model, optimizer, batch: distill_step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config, between=lambda: None):
-        return evaluate(model, records, config)  # one batch: a draft LM's held-out records are few and short
+    def metrics(self, model, records, config, between=lambda: None, per_position=False):
+        return evaluate(model, records, config)  # one batch: a draft LM's held-out records are few and short (no per-position figures)
 
 
 class HeadDraft(_Strict):
@@ -83,8 +84,8 @@ class HeadDraft(_Strict):
         task = chain_task(records, positions, ChainConfig(depth=depth))
         return Objective(task.starts.tolist(), lambda model, optimizer, batch: task.step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config, between=lambda: None):
-        return head_metrics(model, records, config, between=between)
+    def metrics(self, model, records, config, between=lambda: None, per_position=False):
+        return head_metrics(model, records, config, between=between, per_position=per_position)
 
     def cold(self, model):
         return model.config.vocab_from_traffic
