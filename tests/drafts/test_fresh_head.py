@@ -94,7 +94,7 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     learning = result["learner"]["learning"]  # the updates ran in the engine's turns, and say what they took
     assert learning["share_limit"] == 0.1 and learning["turns"] > 0 and learning["engine_seconds"] > 0
     assert all(u["engine_seconds"] > 0 for u in published)
-    assert {u["steps"] for u in result["updates"] if u["version"]} == {4 * 4}  # a cold head: LearnerConfig.cold_steps times the steps
+    assert {(u["steps"], u["cold"]) for u in result["updates"] if u["version"]} == {(4 * 4, True)}  # a cold head: cold_steps times the steps
     from onlinespec.online.registry import DraftRegistry
 
     assert DraftRegistry(tmp_path / "run" / "drafts" / "code").current() == published[-1]["version"]

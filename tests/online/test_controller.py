@@ -34,3 +34,21 @@ def test_a_first_update_with_nothing_to_compare_against_keeps_the_full_rate():
     c = LearnController(0.1)
     (decision,) = c.updated("maths", "v2", "v1", 0.5)
     assert decision["earned"] and decision["gain"] is None and c.backoff("maths") == 1
+
+
+def test_a_cold_draft_is_judged_by_the_alpha_it_learnt_not_by_tau():
+    """A head born from the target that learns (held-out alpha up 0.08-0.15) while tau barely
+    moves (adaptive k hardly drafts with it yet) keeps the full rate; once its published versions
+    stop adding alpha, it backs off like any draft."""
+    c = LearnController(0.1, ControllerConfig(window=8, patience=2))
+    _serve(c, "shared", "v1", 1.04)
+    (first,) = c.updated("shared", "v2", "v1", 17.0, alpha_gain=0.15)
+    assert first["earned"] and first["measure"] == "alpha" and c.backoff("shared") == 1
+    assert _serve(c, "shared", "v2", 1.043) == []  # its tau (+0.003) is not what judges it
+    c.updated("shared", None, "v2", 16.0)  # refused once: patience
+    (third,) = c.updated("shared", "v3", "v2", 16.0, alpha_gain=0.08)
+    assert third["earned"] and c.backoff("shared") == 1
+    for version, parent in (("v4", "v3"), ("v5", "v4")):
+        (decision,) = c.updated("shared", version, parent, 16.0, alpha_gain=0.002)
+        assert not decision["earned"]
+    assert c.backoff("shared") == 2

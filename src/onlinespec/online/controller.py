@@ -10,6 +10,13 @@ sets it back to the configured interval, as does a detected drift (the content r
 detector, :meth:`OnlineLearner.hurry`). New and cold drafts therefore update at the full rate, and
 a domain that has learnt what it can costs the engine a few updates an hour.
 
+A cold draft (born from the target, :meth:`LearnableDraft.cold`) is judged by what it learnt
+instead: a published version whose held-out alpha (the gate's figure) rose by at least
+``min_alpha_gain`` earned its update. Its tau is no measure of that: until it has learnt enough
+for adaptive k to draft with it, a better cold head moves tau by less than ``min_gain`` (on
+llama.cpp here, +0.002-0.003 for versions that gained 0.08-0.15 alpha: the controller backed the
+cold start's fresh head off x8 within 350 requests, docs/online-learning.md).
+
 The engine's learning share follows: the operator's ``--learn-share`` while any draft updates at
 the full rate, less (divided by the smallest backoff) once all have backed off. So does recording:
 a draft backed off ``b`` times traces and stores one request in ``b``
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 class ControllerConfig:
     window: int = 16  # requests served by a version (and by its parent before it) that judge an update
     min_gain: float = 0.01  # tokens per target forward an update must add to have earned its cost
+    min_alpha_gain: float = 0.01  # held-out alpha a cold draft's published update must add
     patience: int = 2  # updates in a row that earn nothing before a draft backs off (3 cost 0.86x in docs/online-learning.md)
     max_backoff: int = 16  # the longest a draft's update interval grows, in configured intervals
 
@@ -68,13 +76,17 @@ class LearnController:
                     events.append(self._judge(draft, ledger, version_now, tau - parent_tau, seconds))
             return events
 
-    def updated(self, draft: str, version: str | None, parent: str | None, engine_seconds: float) -> list[dict]:
+    def updated(self, draft: str, version: str | None, parent: str | None, engine_seconds: float,
+                alpha_gain: float | None = None) -> list[dict]:
         """An update of ``draft`` ended: ``version`` published (None: refused by the gate, or
-        superseded); the decision at once for a refused one, later for a published one."""
+        superseded); the decision at once for a refused one, later for a published one.
+        ``alpha_gain``: a cold draft's gain in held-out alpha, by which it is judged at once."""
         with self.lock:
             ledger = self.drafts.setdefault(draft, _DraftLedger())
             if version is None:
                 return [self._judge(draft, ledger, None, 0.0, engine_seconds)]
+            if alpha_gain is not None:
+                return [self._judge(draft, ledger, version, alpha_gain, engine_seconds, self.config.min_alpha_gain, "alpha")]
             parent_tau = self._tau(ledger, parent)
             if parent_tau is None:  # the parent served too little to compare (a first update): it earned its keep
                 return [self._judge(draft, ledger, version, None, engine_seconds)]
@@ -108,13 +120,15 @@ class LearnController:
             return None
         return sum(n for n, _ in rows) / max(1, sum(f for _, f in rows))
 
-    def _judge(self, draft: str, ledger: _DraftLedger, version: str | None, gain: float | None, seconds: float) -> dict:
+    def _judge(self, draft: str, ledger: _DraftLedger, version: str | None, gain: float | None, seconds: float,
+               min_gain: float | None = None, measure: str = "tau") -> dict:
+        """``gain``: in ``measure`` (tau, or a cold draft's held-out alpha), against ``min_gain``."""
         c = self.config
-        earned = gain is None or gain >= c.min_gain
+        earned = gain is None or gain >= (c.min_gain if min_gain is None else min_gain)
         ledger.idle = 0 if earned else ledger.idle + 1
         before = ledger.backoff
         ledger.backoff = 1 if earned else (min(c.max_backoff, 2 * before) if ledger.idle >= c.patience else before)
         decision = ("full rate" if ledger.backoff == 1 else "backing off") if ledger.backoff != before or earned else "waiting"
-        return {"event": "learn_control", "draft": draft, "version": version, "gain": None if gain is None else round(gain, 4),
+        return {"event": "learn_control", "draft": draft, "version": version, "gain": None if gain is None else round(gain, 4), "measure": measure,
                 "engine_seconds": round(seconds, 3), "earned": earned, "idle_updates": ledger.idle, "backoff": ledger.backoff,
                 "decision": decision, "share": round(self.share(), 4)}

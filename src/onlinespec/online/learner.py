@@ -153,6 +153,7 @@ class UpdateReport:
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
     engine_seconds: float = 0.0  # the compute time it took (its wall time less its waits for the engine's turns)
     steps: int = 0  # optimizer steps it took (a draft born from the target takes LearnerConfig.cold_steps times more)
+    cold: bool = False  # the draft was born from the target (LearnableDraft.cold): the learning controller judges it by alpha
 
 
 class OnlineLearner:
@@ -500,6 +501,7 @@ class OnlineLearner:
         if trained is None:  # no example to train on, or cancelled
             return
         candidate, optimizer, examples, steps = trained
+        cold = self.learnable.cold(serving)
         before, after, by_domain, passed = self._gate(serving, candidate, groups)
         if self._cancel.is_set():  # shutdown or a rollback while it ran: never publish
             return
@@ -518,7 +520,7 @@ class OnlineLearner:
             self.score()
         seconds = time.perf_counter() - start
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              seconds, examples, by_domain, time.time(), outcome, seconds - self._waited, steps)
+                              seconds, examples, by_domain, time.time(), outcome, seconds - self._waited, steps, cold)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
         if self.config.gate == "next":

@@ -64,7 +64,9 @@ class LearningShare:
         """An update ended (the controller judges what it bought) or a drift hurried one."""
         name = event.get("draft", "")
         if event["event"] == "update":
-            self._control(self.controller.updated(name, event["version"], event["parent"], event["engine_seconds"]))
+            cold = event.get("cold") and event["version"]  # judged by what it learnt (LearnController.updated)
+            self._control(self.controller.updated(name, event["version"], event["parent"], event["engine_seconds"],
+                                                  event["alpha_after"] - event["alpha_before"] if cold else None))
         elif event["event"] == "hurried":
             self._control(self.controller.drift(name))
 
