@@ -92,7 +92,7 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     published = [u for u in result["updates"] if u["version"] and u["draft"] == "code"]
     assert published, result["updates"]
     learning = result["learner"]["learning"]  # the updates ran in the engine's turns, and say what they took
-    assert learning["share_limit"] == 0.1 and learning["turns"] > 0 and learning["engine_seconds"] > 0
+    assert 0 < learning["share_limit"] <= 0.1 and learning["turns"] > 0 and learning["engine_seconds"] > 0  # the controller may back off
     assert all(u["engine_seconds"] > 0 for u in published)
     assert {(u["steps"], u["cold"]) for u in result["updates"] if u["version"]} == {(4 * 4, True)}  # a cold head: cold_steps times the steps
     from onlinespec.online.registry import DraftRegistry
