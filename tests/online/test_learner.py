@@ -9,8 +9,8 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.step import DistillConfig
 from onlinespec.online.buffer import ReplayBuffer
-from onlinespec.online.learner import LearnerConfig, OnlineLearner
 from onlinespec.online.learnable import Objective
+from onlinespec.online.learner import LearnerConfig, OnlineLearner
 from onlinespec.online.registry import DraftRegistry
 
 PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from onlinespec.decoding.adaptive import AdaptiveK, could_pay
+from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.learner import LearnerConfig
@@ -50,8 +50,7 @@ def test_learning_and_recording_under_load_follow_the_headroom():
     learning no share and recording nothing; prompt-chunk steps (batch 0) do not count against it."""
     curve = CostCurve({(1, 64): [1.0, 1.3, 1.6, 1.9, 2.2], (8, 64): [2.0, 3.66, 5.3, 7.0, 8.6]})
     metrics = ServeMetrics()
-    share = LearningShare(0.1, metrics, dict, lambda event: None, lambda: None,
-                          payable=lambda batch: could_pay(AdaptiveK(curve), batch, 4))
+    share = LearningShare(0.1, metrics, dict, lambda event: None, lambda: None, AdaptiveK(curve), 4)
     for batch in (0, 1, 8, 8):
         share.stepped(0.05, batch)
     assert share.turns.headroom() == pytest.approx(0.5, abs=0.01)

@@ -1,3 +1,5 @@
+# Over 500 lines: the engine loop and the lifecycle of the requests it serves are one concern; the read-only queries
+# (drafts, routing, learning, governance) are the next to move out, with RayCore, which mirrors them by hand.
 """The serving core: one target, its drafts, one engine loop and the online learners.
 
 Everything that serves goes through :class:`ServingCore`: the HTTP server
@@ -39,7 +41,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from onlinespec.cpu import ENGINE_THREAD, name_thread
-from onlinespec.decoding.adaptive import could_pay
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.decoding.request import RequestState
@@ -176,7 +177,7 @@ class ServingCore:
         self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
         if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
             self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
-                                       payable=(lambda batch: could_pay(adaptive, batch, config.k)) if adaptive is not None else lambda batch: True)
+                                       adaptive, config.k)
         self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
                               config.buffer_records, on_event=self.learner_event, buffer_bytes=config.max_buffer_bytes,
                               retention_seconds=config.retention_seconds, identity=self.identity,
@@ -274,7 +275,7 @@ class ServingCore:
                 self.metrics.failures.labels("queue_full").inc()
                 raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train and self._records_next(chosen) else None,
+                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
@@ -368,11 +369,9 @@ class ServingCore:
             for state in advanced:
                 self._advance(state, now)
 
-    def _records_next(self, draft: Draft) -> bool:
-        """Whether ``draft``'s next request is traced and recorded (:meth:`OnlineLearner.records_next`)."""
-        if draft.learner is None:
-            return False
-        return self.share.records_next(draft) if self.share is not None else draft.learner.records_next()
+    def _headroom(self) -> float:
+        """The share of serving time where a draft could pay (:class:`LearningShare`; 1 without one)."""
+        return self.share.turns.headroom() if self.share is not None else 1.0
 
     def _advance(self, state: RequestState, now: float) -> None:
         handle = self._handles.get(state.id)

@@ -3,7 +3,7 @@ compute on the engine thread between two steps, so they never slow a step down. 
 gives the learners a turn whenever they want one while it is idle, and under load while the share
 of its time spent learning is below the limit times the headroom (the share of its serving time at
 batch sizes where a draft could pay at all, :func:`onlinespec.decoding.adaptive.could_pay`); so
-does recording (:meth:`LearningShare.records_next`). The learning controller
+does recording (:meth:`OnlineLearner.records_next`). The learning controller
 (:mod:`onlinespec.online.controller`) sets that limit and each draft's update interval from what
 the drafts served and what their updates bought."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from onlinespec.decoding.adaptive import AdaptiveK, could_pay
 from onlinespec.decoding.request import RequestStats
 from onlinespec.online.controller import LearnController
 from onlinespec.online.pool import Draft
@@ -25,10 +26,11 @@ class LearningShare:
     the engine loop when a learner wants a turn."""
 
     def __init__(self, limit: float, metrics: ServeMetrics, drafts: Callable[[], dict[str, Draft]],
-                 event: Callable[[dict], None], on_wanted: Callable[[], None], payable: Callable[[int], bool] = lambda batch: True) -> None:
-        """``payable(batch)``: whether a draft could pay at all at that batch size (default: always)."""
+                 event: Callable[[dict], None], on_wanted: Callable[[], None], planner: AdaptiveK | None = None, k: int = 0) -> None:
+        """``planner``: the drafts' cost curve, by which a step's batch size is judged payable
+        (:func:`could_pay` with ``k`` proposals); None: every step is."""
         self.turns = EngineTurns(limit, on_wanted=on_wanted)
-        self.payable = functools.lru_cache(maxsize=None)(payable)
+        self.payable = functools.lru_cache(maxsize=None)(lambda batch: planner is None or could_pay(planner, batch, k))
         self.controller = LearnController(limit)  # learn when it pays
         self.metrics, self.drafts, self.event = metrics, drafts, event
         metrics.learn_share_limit.set(limit)
@@ -50,12 +52,6 @@ class LearningShare:
         self.turns.served(seconds, batch < 1 or self.payable(batch))
         self.metrics.learn_headroom.set(self.turns.headroom())
         self.give(idle=False)
-
-    def records_next(self, draft: Draft) -> bool:
-        """Whether ``draft``'s next request is traced and recorded: at the headroom's rate, over
-        the draft's backoff (:meth:`OnlineLearner.records_next`). Under a load where no draft can
-        pay, recording would cost the engine about 4% (llama.cpp, 8 in flight) for nothing."""
-        return draft.learner.records_next(self.turns.headroom())
 
     def served(self, draft: Draft, stats: RequestStats) -> None:
         self._control(self.controller.served(draft.name, draft.version, stats.new_tokens, stats.target_calls))
