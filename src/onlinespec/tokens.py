@@ -7,6 +7,8 @@ import hashlib
 import json
 
 Prompt = str | list[dict] | list[int]
+NO_CHAT_TEMPLATE = ("this model has no chat template (a base model?), so chat messages cannot be turned into a prompt: "
+                    "send the text as `prompt` to /v1/completions, or serve the model with --chat-template FILE (a Jinja template)")
 
 
 def encode_prompt(tokenizer, prompt: Prompt, vocab_size: int | None = None) -> list[int]:
@@ -24,6 +26,8 @@ def encode_prompt(tokenizer, prompt: Prompt, vocab_size: int | None = None) -> l
     elif isinstance(prompt, list):
         if not any(str(m.get("content") or "").strip() for m in prompt):
             raise ValueError("the prompt is empty: the chat messages have no content")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(NO_CHAT_TEMPLATE)
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
     elif isinstance(prompt, str):
         ids = tokenizer(prompt).input_ids

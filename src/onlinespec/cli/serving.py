@@ -133,6 +133,8 @@ def serve(
     served_model_name: Annotated[Optional[list[str]], typer.Option(help="the model name clients send (default: the target spec's name); repeat it, or separate names by commas, "
                                                                         "for several: the first is the one responses report, every one is accepted")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="cap a request's context (prompt + output) at this many tokens; longer requests are refused (default: the model's context)")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(help="the chat template /v1/chat/completions renders messages with: a Jinja file, or the template itself "
+                                                             "(default: the tokenizer's own; a base model may have none)")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info (request and access lines), warning or error")] = "info",
     log_format: Annotated[str, typer.Option(help="json (one object a line: ts, level, logger, msg and the fields) or text")] = "json",
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
@@ -160,7 +162,7 @@ def serve(
         raise typer.Exit(2)
     scale = _scale_config(core, replicas, ray_address, replica_cpus, learner_cpus, learner_groups) if replicas is not None else None
     names = user_errors(lambda: served_names(served_model_name))
-    core = user_errors(lambda: vllm_options(core, model, names, max_model_len))
+    core = user_errors(lambda: vllm_options(core, model, names, max_model_len, chat_template))
     core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
     api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
     if len(admin_keys) > 1:
@@ -222,10 +224,22 @@ def served_names(values: list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def vllm_options(core: CoreConfig, model: str | None, names: list[str], max_model_len: int | None) -> CoreConfig:
+def read_chat_template(value: str) -> str:
+    """--chat-template as vLLM takes it: a file holding a Jinja template, or the template itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template: give the path of a template file "
+                     "(e.g. one of the model's own) or the template's text")
+
+
+def vllm_options(core: CoreConfig, model: str | None, names: list[str], max_model_len: int | None,
+                 chat_template: str | None = None) -> CoreConfig:
     """``serve``'s vLLM-named options applied to the core's config: the MODEL argument (equal to
-    --target / --model), the first served name, --max-model-len, and --dtype checked against the
-    backend that will run the target."""
+    --target / --model), the first served name, --max-model-len, --chat-template (a file's text, or
+    the template as given) and --dtype checked against the backend that will run the target."""
     from dataclasses import replace
 
     from onlinespec.backends import resolve_backend, resolve_device
@@ -234,6 +248,7 @@ def vllm_options(core: CoreConfig, model: str | None, names: list[str], max_mode
         raise ValueError(f"the MODEL argument {model!r} and --target/--model {core.target!r} disagree: give one "
                          "(several --served-model-name values: repeat the option or separate them by commas)")
     core = replace(core, target=model or core.target, served_model_name=names[0] if names else None, max_model_len=max_model_len,
+                   chat_template=read_chat_template(chat_template) if chat_template is not None else None,
                    dtype={"half": "float16", "float": "float32"}.get(core.dtype, core.dtype))
     if core.dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise ValueError(f"--dtype {core.dtype!r}: use auto, float32, float16 or bfloat16")

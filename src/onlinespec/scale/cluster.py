@@ -138,7 +138,10 @@ class RayCore:
         """The target's tokenizer, for what the front says about tokens (log probabilities, echo)."""
         from onlinespec.models import load_tokenizer
 
-        return load_tokenizer(self.config.target)
+        tokenizer = load_tokenizer(self.config.target)
+        if self.config.chat_template is not None:  # --chat-template: the replicas' too
+            tokenizer.chat_template = self.config.chat_template
+        return tokenizer
 
     @property
     def namespace(self) -> str:

@@ -49,6 +49,7 @@ class CoreConfig:
     suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
     served_model_name: str | None = None  # the name clients send and the vllm: metrics' model_name (None: model_name(target))
     max_model_len: int | None = None  # cap the context (prompt + output) at this many tokens (None: the model's own)
+    chat_template: str | None = None  # the Jinja chat template to render messages with (None: the tokenizer's own)
     learn_share: float | None = 0.1  # under load, the most of the engine's wall time updates take (in its turns,
     # onlinespec.online.turns; idle: all of it); None: updates run beside serving in a thread at low priority
 

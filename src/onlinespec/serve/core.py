@@ -153,6 +153,8 @@ class ServingCore:
         if self.target is None:
             self.target = load_target(config.target, config.dtype, config.backend, config.device)
         model, tokenizer = self.target.model, self.target.tokenizer
+        if config.chat_template is not None:  # --chat-template: it renders every chat request's messages
+            tokenizer.chat_template = config.chat_template
         self.tokenizer, self.eos = tokenizer, eos_token_ids(model, tokenizer)
         self.status = "calibrating"
         speculative = config.draft != "none"

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from onlinespec.serve.handles import ServeError, Unavailable
 from onlinespec.serve.protocol import Message, parse
 from onlinespec.serve.web import Access, ServerSettings, read_body
+from onlinespec.tokens import NO_CHAT_TEMPLATE
 
 
 class TokenizeRequest(BaseModel):
@@ -102,6 +103,8 @@ def encode(tokenizer, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
     messages = [m.as_dict() for m in body.messages]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ServeError(NO_CHAT_TEMPLATE, param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message, tokenize=False)
