@@ -184,3 +184,14 @@ def test_the_gates_figures_do_not_depend_on_how_many_positions_are_scored_at_onc
     assert whole.keys() == chunked.keys()
     assert all(abs(whole[k] - chunked[k]) < 1e-5 for k in whole), (whole, chunked)
     assert 0 < whole["alpha"] < 1
+
+
+def test_alpha_gives_a_head_nothing_for_target_tokens_outside_its_vocabulary():
+    """A head whose vocabulary misses the target's likely tokens agrees with it only on the rest."""
+    from onlinespec.drafts.train import sparse_alpha
+
+    top = torch.tensor([[0.6, 0.3]]).log()  # the target's top-2; 0.1 on every other token
+    logits = torch.zeros(1, 2)  # the head: 0.5 on each of its two ids
+    assert sparse_alpha(logits, torch.tensor([[-1, -1]]), top).item() == pytest.approx(0.1)  # none covered: the rest only
+    assert sparse_alpha(logits, torch.tensor([[0, -1]]), top).item() == pytest.approx(0.5 + 0.1)  # the first covered
+    assert sparse_alpha(logits, torch.tensor([[0, 1]]), top).item() == pytest.approx(0.5 + 0.3)  # all its mass on the top-2

@@ -228,6 +228,21 @@ def chain_task(records, position_policy: str, chain: ChainConfig = ChainConfig()
 
 
 @torch.inference_mode()
+def sparse_alpha(logits: torch.Tensor, index: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    """Each position's alpha = sum min(p, q) over the target's stored top-K tokens and one bucket
+    for every other token, for a head's logits ``[N, V_r]`` over its restricted vocabulary.
+    ``index``: the top-K ids' places in that vocabulary (-1: outside it). A top-K token outside
+    the head's vocabulary keeps a bucket of its own, where the head has 0: folding it into the
+    rest would count a head that covers none of the text as agreeing with it (an unadapted fresh
+    head on Gemma 3 scored 0.51 that way, 0.08 this way, with 3% greedy agreement)."""
+    q = torch.softmax(logits.float(), -1)
+    p_top = top_logprobs.float().exp()
+    q_top = torch.where(index >= 0, q.gather(-1, index.clamp_min(0)), torch.zeros_like(p_top))
+    rest = torch.minimum(1 - p_top.sum(-1), 1 - q_top.sum(-1)).clamp_min(0)
+    return torch.minimum(p_top, q_top).sum(-1) + rest
+
+
+@torch.no_grad()
 def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK,
                  between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
     """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
@@ -239,8 +254,6 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
     learner hands the engine its turn back there, so a step never waits for a whole evaluation.
     ``per_position``: also ``alphas``, each position's alpha (for a paired comparison of two heads
     on the same records: the gate's noise)."""
-    from onlinespec.distill.losses import bucket_log_probs
-
     signal, _ = records_to_signal(records)
     task = ChainTask(signal, ChainConfig(depth=1))
     if len(task) == 0:
@@ -252,9 +265,8 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
         extended = torch.cat([logits, logits.new_full((len(logits), 1), _ABSENT)], -1)
         teacher = task.restricted_teacher(head, pos)
         loss += float(distill_loss(config.loss, extended, teacher, temperature=config.temperature, beta=config.beta)) * len(starts)
-        log_p, log_q = bucket_log_probs(extended, teacher)
         agreement += float((head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]).sum())
-        each = torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+        each = sparse_alpha(logits, head.restricted_index[signal.top_ids[pos]], signal.top_logprobs[pos])
         alpha += float(each.sum())
         if per_position:
             alphas.append(each.detach())
