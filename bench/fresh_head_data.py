@@ -18,6 +18,8 @@ acceptance alpha and agreement, the gate's figures). Arms, each a fresh head
 
     python bench/fresh_head_data.py runs/cold-start/fresh/buffer      # ~15 min on 2 cores
     python bench/fresh_head_data.py runs/cold-start/fresh/buffer --arms packaged,own
+    python bench/fresh_head_data.py runs/cold-start-gemma/fresh/buffer --arms untrained,shared --steps 480 \
+        --target GEMMA.gguf --json docs/fresh-head-data-gemma.json     # another target's buffer
 
 Prints a table and writes docs/fresh-head-data.json.
 """
@@ -72,9 +74,11 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=80, help="last requests per domain that judge")
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps of a per-domain head (4 updates of 40)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--target", default="default", help="the target whose verifications the buffers hold")
+    parser.add_argument("--json", type=Path, default=DOCS / "fresh-head-data.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    target = load_target("default")
+    target = load_target(args.target)
     config, distill = LearnerConfig(), DistillConfig()
     domains = sorted(p.name for p in args.buffers.iterdir() if p.is_dir())
     requests = {d: by_request(ReplayBuffer(args.buffers / d).records()) for d in domains}
@@ -100,7 +104,7 @@ def main() -> None:
     }
     for arm in args.arms.split(","):
         judge(arm, arms[arm]())
-    path = DOCS / "fresh-head-data.json"
+    path = args.json
     if path.exists():  # arms run before (another --arms) are kept
         out["arms"] = {**json.loads(path.read_text()).get("arms", {}), **out["arms"]}
     path.write_text(json.dumps(out, indent=1))
