@@ -227,7 +227,6 @@ def chain_task(records, position_policy: str, chain: ChainConfig = ChainConfig()
     return task
 
 
-@torch.inference_mode()
 def sparse_alpha(logits: torch.Tensor, index: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
     """Each position's alpha = sum min(p, q) over the target's stored top-K tokens and one bucket
     for every other token, for a head's logits ``[N, V_r]`` over its restricted vocabulary.
@@ -242,7 +241,7 @@ def sparse_alpha(logits: torch.Tensor, index: torch.Tensor, top_logprobs: torch.
     return torch.minimum(p_top, q_top).sum(-1) + rest
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK,
                  between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
     """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
