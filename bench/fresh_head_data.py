@@ -82,6 +82,9 @@ def main() -> None:
     config, distill = LearnerConfig(), DistillConfig()
     domains = sorted(p.name for p in args.buffers.iterdir() if p.is_dir())
     requests = {d: by_request(ReplayBuffer(args.buffers / d).records()) for d in domains}
+    short = {d: len(v) for d, v in requests.items() if len(v) < args.train + args.eval}
+    if short:  # the judged requests would include trained ones, and flatter every trained arm
+        sys.exit(f"{short}: fewer requests than --train {args.train} + --eval {args.eval}; lower them")
     trains = {d: [r for req in requests[d][: args.train] for r in req] for d in domains}
     evals = {d: [r for req in requests[d][-args.eval:] for r in req] for d in domains}
     out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),

@@ -28,7 +28,7 @@ SAMPLING_MODES = ("teacher", "student", "mixed")
 
 def build_original(target, steps: int, specialise_ids: set[str]) -> Path:
     """A chat-only head: the general draft every cell starts from."""
-    from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
+    from onlinespec.decoding.feature_head import HEAD_VOCAB, FeatureHead, frequent_vocab
     from onlinespec.distill.step import DistillConfig
     from onlinespec.distill.trainer import TrainConfig, Trainer
     from onlinespec.drafts.train import ChainConfig, ChainTask
@@ -41,7 +41,7 @@ def build_original(target, steps: int, specialise_ids: set[str]) -> Path:
     import torch
 
     signal = warmup_signal(target)
-    vocab = frequent_vocab(torch.bincount(signal.ids, minlength=target.model.config.vocab_size), 8192, [target.tokenizer.eos_token_id])
+    vocab = frequent_vocab(torch.bincount(signal.ids, minlength=target.model.config.vocab_size), HEAD_VOCAB, [target.tokenizer.eos_token_id])
     chat = signal.select([i for i, (d, q) in enumerate(zip(signal.domains, signal.query_ids)) if d == "chat" and q not in specialise_ids])
     torch.manual_seed(0)
     head = FeatureHead.for_target(target.model, vocab)

@@ -263,8 +263,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, model):
 
 def test_request_logs_hold_no_text(server, model):
     """Log lines are JSON objects with a timestamp and a level: a request line with its figures, an
-    access line per HTTP request; never the prompt, the output or an Authorization header."""
+    access line per HTTP request but not per successful health probe; never the prompt, the output
+    or an Authorization header."""
     secret, key = "zebra-quartz-7731", "sk-never-logged-4417"
+    httpx.get(server.url + "/ready", headers={"X-Request-Id": "probe-req-1"}).raise_for_status()
     httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": f"The password is {secret}.", "max_tokens": 4},
                headers={"Authorization": f"Bearer {key}", "X-Request-Id": "logged-req-1"}).raise_for_status()
     time.sleep(0.2)  # the access line is written once the response has gone
@@ -275,6 +277,7 @@ def test_request_logs_hold_no_text(server, model):
     access = [line for line in lines if line["logger"] == "onlinespec.access" and line.get("request_id") == "logged-req-1"]
     assert len(access) == 1 and access[0]["method"] == "POST" and access[0]["path"] == "/v1/completions" and access[0]["status"] == 200
     assert access[0]["level"] == "INFO" and access[0]["duration_seconds"] > 0
+    assert not [line for line in lines if line.get("request_id") == "probe-req-1"]  # a probe logs at DEBUG
     assert all(datetime.fromisoformat(line["ts"]).tzinfo for line in lines)
     assert secret not in log and key not in log and secret not in (server.out_dir / "events.jsonl").read_text()
 

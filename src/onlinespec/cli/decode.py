@@ -14,7 +14,7 @@ from rich.table import Table
 from onlinespec.benchmark import BenchConfig
 from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, DtypeOpt, KOpt, TargetOpt, app, console, out, sampling_params, user_errors
 from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.decoding.feature_head import CHAIN_DEPTH
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, HEAD_VOCAB
 from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.safety import command_line
 
@@ -122,7 +122,7 @@ def warmup(
     lr: Annotated[float, typer.Option(min=0.0)] = 1e-3,
     loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
     depth: Annotated[int, typer.Option(min=1, help="draft steps unrolled in training")] = CHAIN_DEPTH,
-    vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = 8192,
+    vocab_size: Annotated[int, typer.Option(min=16, help="size of the head's restricted output vocabulary")] = HEAD_VOCAB,
     per_domain: Annotated[int, typer.Option(min=1, help="chat and code warm-up queries each")] = 600,
     extra_chat: Annotated[int, typer.Option(min=0, help="more chat warm-up queries (a separate cached part)")] = 1200,
     extra_code: Annotated[int, typer.Option(min=0, help="more code warm-up queries (a separate cached part)")] = 374,

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 CONFIG_FILE = "feature_head.json"
 WEIGHTS_FILE = "feature_head.safetensors"
-FRESH_VOCAB = 8192  # a fresh head's restricted vocabulary (the packaged head's size: docs/drafts.md)
+HEAD_VOCAB = 8192  # a head's restricted output vocabulary, fresh or distilled (the packaged head's: docs/drafts.md)
 CHAIN_DEPTH = 4  # draft steps training unrolls from one target feature: as many as a head drafts at the default k
 
 
@@ -150,7 +150,7 @@ class FeatureHead(nn.Module):
         return head
 
     @classmethod
-    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = FRESH_VOCAB, **overrides) -> "FeatureHead":
+    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = HEAD_VOCAB, **overrides) -> "FeatureHead":
         """A head for a target nobody trained one for (arXiv 2310.07177, section 4: the draft
         learns from the target's verifications of live traffic). Its vocabulary starts as the
         tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, HEAD_VOCAB, FeatureHead, frequent_vocab
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
@@ -311,7 +311,7 @@ class HeadDesign:
 
 @dataclass(frozen=True)
 class BulkRecipe:
-    vocab_size: int = 8192
+    vocab_size: int = HEAD_VOCAB
     depth: int = CHAIN_DEPTH
     step_decay: float = 0.8
     batch_size: int = 1024

@@ -20,7 +20,7 @@ import torch
 
 from onlinespec.data.sources import Query, english_pools, load_gsm_symbolic, packaged_prompts
 from onlinespec.data.splits import split, split_of
-from onlinespec.decoding.feature_head import CHAIN_DEPTH, FeatureHead, frequent_vocab
+from onlinespec.decoding.feature_head import CHAIN_DEPTH, HEAD_VOCAB, FeatureHead, frequent_vocab
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig, Trainer
@@ -93,7 +93,7 @@ def heldout_signal(target: LoadedModel, per_domain: int = 20, max_new_tokens: in
 
 @dataclass(frozen=True)
 class HeadRecipe:
-    vocab_size: int = 8192
+    vocab_size: int = HEAD_VOCAB
     intermediate_size: int = 1024
     num_blocks: int = 2
     depth: int = CHAIN_DEPTH

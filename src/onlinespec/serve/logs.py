@@ -75,9 +75,14 @@ def configure_logging(settings: LogSettings | None = None) -> str:
     return uvicorn_level
 
 
+PROBES = frozenset({"/health", "/ready", "/metrics"})  # polled every few seconds by load balancers and Prometheus
+
+
 class AccessLog:
     """ASGI middleware: one ``onlinespec.access`` line per HTTP request once its response has
-    ended: method, path (no query string), status, seconds, request id, client address."""
+    ended: method, path (no query string), status, seconds, request id, client address. A probe
+    (:data:`PROBES`) that succeeds logs at DEBUG, so a health check every few seconds does not
+    bury the requests; a failing one logs at INFO like any other request."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -99,7 +104,9 @@ class AccessLog:
         finally:
             asked = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
             client = scope.get("client")
-            access_log.info("access", extra={"fields": {
-                "method": scope.get("method"), "path": scope.get("path", "")[:256], "status": seen["status"],
+            path = scope.get("path", "")
+            level = logging.DEBUG if path in PROBES and seen["status"] < 400 else logging.INFO
+            access_log.log(level, "access", extra={"fields": {
+                "method": scope.get("method"), "path": path[:256], "status": seen["status"],
                 "duration_seconds": round(time.perf_counter() - start, 6),
                 "request_id": (seen["request_id"] or asked or "")[:128] or None, "client": client[0] if client else None}})
