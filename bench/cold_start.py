@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end reads /admin/drafts (learning share, headroom)
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh", "--router", "single"], "fresh-domain": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
            "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"],
-           "index": ["--draft", "hybrid", "--no-head-updates"]}  # learning: the suffix index only (no records, no updates)
+           "index": ["--draft", "hybrid", "--no-head-updates"],  # learning: the suffix index only (no records, no updates)
+           "fresh-alpha": ["--draft", "hybrid:fresh", "--router", "single", "--gate-metric", "alpha"]}  # the gate before 2026-12-05
 
 
 def online_split(n: int, domains: list[str]) -> list:

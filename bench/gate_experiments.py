@@ -55,7 +55,7 @@ from onlinespec.data.splits import split
 from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import Signal, SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance
+from onlinespec.drafts.train import HYBRID_REPLAY, ChainConfig, ChainTask, replay_acceptance
 from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
 
@@ -123,7 +123,7 @@ def first_by_request(head, signal) -> list[tuple[int, int]]:
 
 
 def hybrid_by_request(head, signal) -> list[tuple[int, int]]:
-    return [tuple(x) for x in replay_acceptance(head, signal, 4, ngram=(3, 2))]
+    return [tuple(x) for x in replay_acceptance(head, signal, HYBRID_REPLAY["k"], ngram=HYBRID_REPLAY["ngram"])]
 
 
 def paired(before: list, after: list, draws: int = 2000) -> tuple[float, float]:
@@ -205,8 +205,8 @@ def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict
         if gate_stream is None:  # the original replay: the learner's gate only
             before, after = gate_alpha(head, stream, held_starts), gate_alpha(candidate, stream, held_starts)
             passed = after >= before
-            truth_before = alpha(replay_acceptance(head, heldout, 4, ngram=(3, 2)))
-            truth_after = alpha(replay_acceptance(candidate, heldout, 4, ngram=(3, 2)))
+            truth_before = alpha(replay_acceptance(head, heldout, HYBRID_REPLAY["k"], ngram=HYBRID_REPLAY["ngram"]))
+            truth_after = alpha(replay_acceptance(candidate, heldout, HYBRID_REPLAY["k"], ngram=HYBRID_REPLAY["ngram"]))
             gate_log.append({"seen": seen, "gate": [round(before, 4), round(after, 4)],
                              "truth": [round(truth_before, 4), round(truth_after, 4)], "published": passed})
         else:  # every rule in the shadow of the one that decides
@@ -227,7 +227,7 @@ def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict
     else:
         agree = sum(g["published"] == (g["truth"][1] >= g["truth"][0]) for g in gate_log)
     return {"setting": setting.name, "gate_rule": setting.gate if gate_stream is not None else "holdout first", "published": published, "refused": refused,
-            "heldout_hybrid_alpha": alpha(replay_acceptance(head, heldout, 4, ngram=(3, 2))),
+            "heldout_hybrid_alpha": alpha(replay_acceptance(head, heldout, HYBRID_REPLAY["k"], ngram=HYBRID_REPLAY["ngram"])),
             "heldout_head_alpha": alpha(replay_acceptance(head, heldout, 4)),
             "candidates_that_helped": sum(g["truth"][1] > g["truth"][0] for g in gate_log),
             "gate_agrees_with_truth": agree, "updates": len(gate_log), "log": gate_log}
@@ -238,9 +238,10 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
     decidable candidates (truth change beyond 1.96 bootstrap s.e.); per rule, the same over every
     candidate of every row."""
     per_rule = {name: [0, 0, 0, 0] for name in RULES}  # agreed, judged, agreed decidable, decidable
-    rows = []
+    rows, by_row = [], []
     for r in results:
         decidable = agreed = agreed_decidable = 0
+        row_rules = {name: [0, 0, 0, 0] for name in RULES}
         for e in r["log"]:
             diff, se = paired(*e["truth_by_request"])
             e["truth_diff_se"] = [round(diff, 4), round(se, 4)]
@@ -250,8 +251,7 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
             agreed_decidable += sure and e["published"] == truth
             for name, rule in RULES.items():
                 verdict = rule(e)
-                if verdict is not None:
-                    tally = per_rule[name]
+                for tally in (per_rule[name], row_rules[name]) if verdict is not None else ():
                     tally[0] += verdict == truth
                     tally[1] += 1
                     tally[2] += sure and verdict == truth
@@ -264,6 +264,7 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
         diffs = [abs(e["truth_diff_se"][0]) for e in r["log"]]
         r.update(decidable=decidable, agreed_decidable=agreed_decidable, truth_se_median=sorted(ses)[len(ses) // 2],
                  truth_abs_change_median=sorted(diffs)[len(diffs) // 2])
+        by_row += [f"| {r['setting']} | {name} | {t[0]} / {t[1]} | {t[2]} / {t[3]} |" for name, t in row_rules.items() if t[1]]
         rows.append(f"| {r['setting']} | {r['gate_rule']} | {r['published']} / {r['updates']} | {r['candidates_that_helped']} / {r['updates']} | "
                     f"{agreed} / {r['updates']} | {r['perfect_gate_expected']} | {agreed_decidable} / {decidable} | {r['truth_abs_change_median']:.4f} / {r['truth_se_median']:.4f} | "
                     f"{r['heldout_hybrid_alpha']:.3f} | {r['heldout_head_alpha']:.3f} |")
@@ -273,7 +274,8 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
          f"held-out head alpha (packaged {packaged['head']:.3f}) |"),
         "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "| rule (scored in the shadow of every row) | agreed with truth, all candidates | on decidable candidates |", "|---|---|---|",
-        *(f"| {name} | {t[0]} / {t[1]} | {t[2]} / {t[3]} |" for name, t in per_rule.items() if t[1]),
+        *(f"| {name} | {t[0]} / {t[1]} | {t[2]} / {t[3]} |" for name, t in per_rule.items() if t[1]), "",
+        "| row | rule (on that row's candidates) | agreed with truth | on decidable candidates |", "|---|---|---|---|", *by_row,
     ]
     return lines, per_rule
 
@@ -303,7 +305,7 @@ def main() -> None:
         tail = build_signal(target.model, target.tokenizer, split(pool, "online")[args.stream: args.stream + NEXT_MAX], config, cache_as="default")
         gate_stream = Signal.concat([stream, tail])
     start = load_head(DEFAULT_HEAD, target)
-    packaged = {"hybrid": alpha(replay_acceptance(start, heldout, 4, ngram=(3, 2))), "head": alpha(replay_acceptance(start, heldout, 4))}
+    packaged = {"hybrid": alpha(replay_acceptance(start, heldout, HYBRID_REPLAY["k"], ngram=HYBRID_REPLAY["ngram"])), "head": alpha(replay_acceptance(start, heldout, 4))}
     chosen = [s for s in SETTINGS if args.only is None or s.name in args.only.split(",")]
     results = []
     for setting in chosen:

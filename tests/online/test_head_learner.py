@@ -73,6 +73,8 @@ def test_online_head_learning_raises_acceptance_and_keeps_output_exact(tiny_llam
     learner.wait()
     published = [r for r in learner.reports if r.version]
     assert published and len(set(versions)) > 1
+    # the gate judged each candidate by what the hybrid serving with it accepts, replayed on the held-out records
+    assert all(r.gate_metric == "replayed" and r.replayed_after >= r.replayed_before for r in published)
     assert sum(alphas[-12:]) / 12 > sum(alphas[:12]) / 12 + 0.1, (alphas[:12], alphas[-12:])
     # a published version loads back into a head
     state = learner.registry.load(published[-1].version)

@@ -1,6 +1,7 @@
 """The online learner: updates in the background every I requests, publishes gated versions,
 and the serving output stays exactly the target's throughout."""
 
+import pytest
 import torch
 
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -98,7 +99,7 @@ class _SplitVerdict(OnlineLearner):
             def objective(self, records, positions, depth, config):
                 return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)
 
-            def metrics(self, model, records, config, between=lambda: None, per_position=False):
+            def metrics(self, model, records, config, between=lambda: None, per_position=False, replay=False):
                 if model is serving:
                     return {"loss": 1.0, "alpha": 0.5}
                 old = sum(r.domain == "old" for r in records) / len(records)
@@ -127,21 +128,25 @@ def test_domain_gate_refuses_a_candidate_that_serves_an_earlier_domain_worse(tin
     assert domain.by_domain["new"][1] > domain.by_domain["new"][0] and domain.by_domain["old"][1] < domain.by_domain["old"][0]
 
 
-def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tmp_path):
+@pytest.mark.parametrize("figure", ["alpha", "replayed"])
+def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tmp_path, figure):
     """A candidate that gains on one domain passes when another moves by less than its paired
-    noise (a few held-out requests), and is refused when that one clearly falls."""
+    noise (a few held-out requests), and is refused when that one clearly falls: judged by
+    per-position alpha, or by each request's replayed acceptance (accepted of 10 judged)."""
     from types import SimpleNamespace
 
     *_, learner = setup(tiny_llama, tmp_path, background=False)
     serving, candidate = learner._latest[0], object()
 
     class Judge:
-        def metrics(self, model, records, config, between=lambda: None, per_position=False):
+        def metrics(self, model, records, config, between=lambda: None, per_position=False, replay=False):
             values = torch.tensor([r.before if model is serving else r.after for r in records])
             out = {"loss": 1.0, "alpha": float(values.mean())}
+            if replay:
+                out["replayed"], out["requests"] = float(values.mean()), torch.stack([10 * values, torch.full_like(values, 10)], 1)
             return {**out, "alphas": values} if per_position else out
 
-    learner.learnable = Judge()
+    learner.learnable, learner.gate_figure = Judge(), figure
     gen = torch.Generator().manual_seed(0)
 
     def domain(name: str, gain: float, spread: float, n: int = 200) -> list:

@@ -13,7 +13,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.distill.signal import SignalConfig, build_signal
 from onlinespec.distill.step import DistillConfig
-from onlinespec.drafts.train import ChainConfig, ChainTask, chain_task, replay_acceptance
+from onlinespec.drafts.train import HYBRID_REPLAY, ChainConfig, ChainTask, chain_task, records_replay, replay_acceptance
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner
 from onlinespec.online.recorder import records_from_generation, student_records
@@ -86,7 +86,7 @@ def test_the_learner_stores_what_its_sampling_mode_says(tiny_llama, tmp_path, on
 
 
 def test_learner_budget_is_validated():
-    for bad in ({"sampling": "both"}, {"priority": "high"}, {"cpu_share": 0.0}, {"cpu_share": 1.5}, {"threads": 0}):
+    for bad in ({"sampling": "both"}, {"priority": "high"}, {"cpu_share": 0.0}, {"cpu_share": 1.5}, {"threads": 0}, {"gate_metric": "tau"}):
         with pytest.raises(ValueError):
             LearnerConfig(**bad)
 
@@ -115,11 +115,14 @@ def test_replay_equals_a_live_fixed_k_run(tiny_llama, default_tokenizer, one_thr
     proposer = HybridProposer(FeatureHeadProposer(head), 3, 2) if hybrid else FeatureHeadProposer(head)
     decoder = SpeculativeDecoder(target, default_tokenizer, proposer, k=k)
     for i, (query, (accepted, judged)) in enumerate(zip(queries, replayed)):
-        out = decoder.generate(query.prompt, SamplingParams(max_new_tokens=40))
+        out = decoder.generate(query.prompt, SamplingParams(max_new_tokens=40), trace=True)
         assert len(out.token_ids) == 40  # no EOS: replay is exact up to the last token
         answer = signal.ids[int(signal.starts[i] + signal.prompt_lens[i]): int(signal.starts[i + 1])]
         assert out.token_ids == answer.tolist()
         assert (accepted, judged) == (out.stats.accepted, out.stats.accepted + out.stats.rejected)
+        if hybrid and k == HYBRID_REPLAY["k"]:  # the gate's figure: the request's own online record, replayed
+            (record,) = records_from_generation(out, "verified", "teacher")
+            assert records_replay(head, [record]) == [(accepted, judged)]
 
 
 def test_stop_abandons_the_update_in_flight_without_publishing(tiny_llama, tmp_path, one_thread):

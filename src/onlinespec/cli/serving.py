@@ -60,6 +60,9 @@ CORE_OPTIONS: dict[str, tuple] = {
                                                   "0: in a thread beside serving, at --priority")], CoreConfig.learn_share),
     "gate": (Annotated[str, typer.Option(help="judge a candidate on the newest records held out of its training ('holdout') or train it on every "
                                                "record and judge it on the requests served next ('next': docs/faster-drafts.md, section 3)")], LearnerConfig.gate),
+    "gate_metric": (Annotated[str, typer.Option(help="the figure a candidate is judged by: 'replayed', what the hybrid proposer serving with it "
+                                                      "accepts over the judged records (a feature head), or 'alpha', step-1 alpha (docs/faster-drafts.md, section 3)")],
+                    LearnerConfig.gate_metric),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "
                                                "'content': drafts for clusters of prompts, no labels needed (docs/routing.md)")], CoreConfig.router),
@@ -90,7 +93,7 @@ def _core_config(o: dict) -> CoreConfig:
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"],
         cold_steps=o["cold_steps"], batch_size=o["batch_size"],
-        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_by=o["gate_by"],
+        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",

@@ -28,6 +28,7 @@ from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig, optimizer_step
 
 METRICS_CHUNK = 1024  # held-out positions scored at once by head_metrics (a bounded peak)
+HYBRID_REPLAY = {"k": 4, "ngram": (3, 2)}  # the hybrid proposer as served (HybridProposer's n-gram bounds), replayed
 _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite
 
 
@@ -136,6 +137,7 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = CHAIN_DEPTH, 
 def replay_acceptance(
     head: FeatureHead, signal: Signal, k: int, batch: int = 4096,
     ngram: tuple[int, int] | None = None, by_drafter: dict[str, list[int]] | None = None,
+    prefixes: list | None = None, between: Callable[[], None] = lambda: None,
 ) -> list[tuple[int, int]]:
     """Per sequence, ``(accepted, judged)``: what greedy speculative decoding with ``head`` proposing
     ``k`` tokens a round accepts over ``signal``'s generated text, without running the target.
@@ -152,6 +154,10 @@ def replay_acceptance(
     ``ngram=(max_ngram, min_ngram)`` replays the hybrid proposer instead: a round whose context
     ends in an n-gram seen earlier proposes what followed it, the head proposes the others.
     ``by_drafter``, when given, gains ``[accepted, judged]`` per drafter (``ngram`` / ``head``).
+    ``prefixes``: per sequence, the tokens before its first row (the prompt an online record leaves
+    out), which the n-gram lookup reads as serving does. ``between()`` runs after each ``batch`` of
+    chain starts and every 32 sequences' rounds (where the online learner hands the engine its
+    turn back).
     """
     task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
     correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
@@ -159,6 +165,7 @@ def replay_acceptance(
         starts = task.starts[first: first + batch]
         for j, logits, pos, valid in task.chain_outputs(head, starts, k):
             correct[starts, j - 1] = (head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]) & valid
+        between()
     # leading[t, m - 1]: how many of the first m steps from start t are accepted
     leading = torch.cumprod(correct.int(), 1).cumsum(1)
     ids = signal.ids.cpu().numpy()
@@ -167,13 +174,14 @@ def replay_acceptance(
     for i in range(len(signal)):
         begin, end = int(signal.starts[i]), int(signal.starts[i + 1])
         p = begin + int(signal.prompt_lens[i]) + 1  # after the proposal-free first round
+        prefix = np.asarray(prefixes[i], dtype=ids.dtype) if prefixes is not None else ids[:0]
         accepted = judged = 0
         while p < end:
             proposed = min(k, end - p - 1)
             if proposed <= 0:
                 p += 1
                 continue
-            copied = lookup(ids[begin:p], proposed, *ngram) if ngram else []
+            copied = lookup(np.concatenate([prefix, ids[begin:p]]), proposed, *ngram) if ngram else []
             if copied:
                 drafter, proposed = "ngram", len(copied)
                 n = int(np.cumprod(np.asarray(copied) == ids[p: p + proposed]).sum())
@@ -185,15 +193,20 @@ def replay_acceptance(
             accepted, judged = accepted + n, judged + judged_now
             p += n + 1
         out.append((accepted, judged))
+        if i % 32 == 31:  # the rounds' lookups are a unit of work too (400 held-out records: about a second)
+            between()
     return out
 
 
-def records_to_signal(records) -> tuple[Signal, torch.Tensor]:
+def records_to_signal(records, closed: bool = False) -> tuple[Signal, torch.Tensor]:
     """Online records of a feature head (:class:`~onlinespec.online.recorder.DistillRecord` with
     features) as a :class:`Signal`, and a [T] mask of its rejection rows.
 
     A record's positions are consecutive verified positions ``t``; row ``t - 1`` of the signal
     holds the token at ``t - 1``, the target's state there and its distribution for ``t``.
+    ``closed``: each sequence also ends with its record's last token, in a row whose state and
+    distribution are unknown (zeros, and a copy of the row before): only a replay, which reads
+    that token and never drafts from that row, may use it.
     """
     ids, feats, top_ids, top_lp, rejected, lengths = [], [], [], [], [], []
     for r in records:
@@ -202,12 +215,13 @@ def records_to_signal(records) -> tuple[Signal, torch.Tensor]:
         first = r.positions[0]
         if r.positions != list(range(first, first + len(r.positions))):
             raise ValueError("a feature head's record must hold consecutive positions (every verified row)")
-        ids.append(torch.tensor(r.token_ids[first - 1: first - 1 + len(r.positions)]))
-        feats.append(r.features)
-        top_ids.append(r.top_ids)
-        top_lp.append(r.top_logprobs)
-        rejected.append(torch.tensor(r.rejected, dtype=torch.bool))
-        lengths.append(len(r.positions))
+        extra = int(closed and first + len(r.positions) <= len(r.token_ids))
+        ids.append(torch.tensor(r.token_ids[first - 1: first - 1 + len(r.positions) + extra]))
+        feats.append(torch.cat([r.features, r.features.new_zeros(extra, r.features.shape[1])]))
+        top_ids.append(torch.cat([r.top_ids, r.top_ids[-1:].expand(extra, -1)]))
+        top_lp.append(torch.cat([r.top_logprobs, r.top_logprobs[-1:].expand(extra, -1)]))
+        rejected.append(torch.tensor(r.rejected + [False] * extra, dtype=torch.bool))
+        lengths.append(len(r.positions) + extra)
     lengths_t = torch.tensor(lengths)
     signal = Signal(
         torch.cat(ids), torch.cat(feats), torch.cat(top_ids), torch.cat(top_lp).float(),
@@ -243,7 +257,7 @@ def sparse_alpha(logits: torch.Tensor, index: torch.Tensor, top_logprobs: torch.
 
 @torch.inference_mode()
 def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int = METRICS_CHUNK,
-                 between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
+                 between: Callable[[], None] = lambda: None, per_position: bool = False, replay: bool = False) -> dict:
     """On held-out online records: the step-1 loss, greedy agreement, and alpha = sum min(p, q)
     (over the stored top-K plus the tail bucket): the gate's figures, as for draft LMs.
 
@@ -252,11 +266,13 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
     a peak that grew with the replay buffer. ``between()`` runs after each chunk: the online
     learner hands the engine its turn back there, so a step never waits for a whole evaluation.
     ``per_position``: also ``alphas``, each position's alpha (for a paired comparison of two heads
-    on the same records: the gate's noise)."""
+    on the same records: the gate's noise). ``replay``: also ``replayed``, what the hybrid proposer
+    serving with ``head`` accepts over the records (:func:`records_replay`), and ``requests``,
+    each record's ``[accepted, judged]``."""
     signal, _ = records_to_signal(records)
     task = ChainTask(signal, ChainConfig(depth=1))
     if len(task) == 0:
-        return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0}
+        return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0, **({"replayed": 0.0, "requests": torch.zeros(0, 2)} if replay else {})}
     loss = agreement = alpha = 0.0
     alphas = []
     for starts in task.starts.split(chunk):
@@ -272,4 +288,25 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
         between()
     n = len(task)
     out = {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n}
-    return {**out, "alphas": torch.cat(alphas)} if per_position else out
+    if per_position:
+        out["alphas"] = torch.cat(alphas)
+    if replay:
+        requests = torch.tensor(records_replay(head, records, chunk, between), dtype=torch.float64).reshape(-1, 2)
+        out["replayed"], out["requests"] = float(requests[:, 0].sum() / requests[:, 1].sum().clamp_min(1)), requests
+    return out
+
+
+def records_replay(head: FeatureHead, records, chunk: int = METRICS_CHUNK,
+                   between: Callable[[], None] = lambda: None) -> list[tuple[int, int]]:
+    """Per online record, ``(accepted, judged)``: the hybrid proposer (n-gram lookup over the prompt
+    and the answer so far, ``head`` where it finds none) replayed over the recorded answer at
+    ``HYBRID_REPLAY``'s k (:func:`replay_acceptance`; no target time). This is what serving with
+    ``head`` would have accepted, the figure the gate's truth is measured in (arXiv 2310.07177
+    section 3's alpha, as served): in the section-3 replay of docs/faster-drafts.md it agreed with
+    the truth on 14-15 of 20 candidates where first-proposal alpha on the same records agreed on
+    10. A record of sampled text is replayed along the sampled tokens, the head judged against the
+    target's most likely token: the same proxy for both drafts a gate compares."""
+    signal = records_to_signal(records, closed=True)[0]
+    prefixes = [r.token_ids[: r.positions[0] - 1] for r in records]
+    return replay_acceptance(head, signal, HYBRID_REPLAY["k"], batch=max(1, chunk // HYBRID_REPLAY["k"]),
+                             ngram=HYBRID_REPLAY["ngram"], prefixes=prefixes, between=between)

@@ -39,10 +39,15 @@ class LearnableDraft(Protocol):
         """Training on ``records`` (``positions``: the recorder's position policy; ``depth``: chain length)."""
 
     def metrics(self, model: torch.nn.Module, records: Sequence[DistillRecord], config: DistillConfig,
-                between: Callable[[], None] = lambda: None, per_position: bool = False) -> dict:
+                between: Callable[[], None] = lambda: None, per_position: bool = False, replay: bool = False) -> dict:
         """loss, agreement and alpha on held-out ``records`` (the gate's figures); ``between()`` runs
         between the pieces it is computed in (where the learner may hand the engine its turn back).
-        ``per_position``: also ``alphas``, each position's alpha, where the draft can tell them."""
+        ``per_position``: also ``alphas``, each position's alpha, where the draft can tell them.
+        ``replay``: also ``replayed`` and each record's ``requests`` [accepted, judged], what the
+        hybrid proposer serving with this draft accepts over the records, where the draft can be
+        replayed without the target (``replays``)."""
+
+    replays: bool  # whether metrics(replay=True) gives the replayed figures
 
     def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
         """Load published weights strictly (a ValueError, naming ``label``, if they do not fit)."""
@@ -55,6 +60,8 @@ class LearnableDraft(Protocol):
 
 
 class _Strict:
+    replays = False
+
     def load(self, model, state, label):
         load_weights(model, state, label)
 
@@ -72,11 +79,13 @@ class DraftLM(_Strict):
     def objective(self, records, positions, depth, config):
         return Objective(list(records), lambda model, optimizer, batch: distill_step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config, between=lambda: None, per_position=False):
+    def metrics(self, model, records, config, between=lambda: None, per_position=False, replay=False):
         return evaluate(model, records, config)  # one batch: a draft LM's held-out records are few and short (no per-position figures)
 
 
 class HeadDraft(_Strict):
+    replays = True  # the target's features are recorded: a head's proposals can be replayed exactly
+
     def copy(self, model):
         return model.clone()
 
@@ -84,8 +93,8 @@ class HeadDraft(_Strict):
         task = chain_task(records, positions, ChainConfig(depth=depth))
         return Objective(task.starts.tolist(), lambda model, optimizer, batch: task.step(model, optimizer, batch, config))
 
-    def metrics(self, model, records, config, between=lambda: None, per_position=False):
-        return head_metrics(model, records, config, between=between, per_position=per_position)
+    def metrics(self, model, records, config, between=lambda: None, per_position=False, replay=False):
+        return head_metrics(model, records, config, between=between, per_position=per_position, replay=replay)
 
     def cold(self, model):
         return model.config.vocab_from_traffic

@@ -75,6 +75,9 @@ class LearnerConfig:
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
     gate: str = "holdout"  # holdout: judge on the newest gate_fraction held out of training; next: train on
     # every record, judge on the records served after it (onlinespec.online.gate)
+    gate_metric: str = "replayed"  # replayed: what the hybrid proposer serving with each draft accepts over the
+    # judged records, replayed (a feature head; agreed with the truth on 14-15 of 20 candidates where alpha
+    # agreed on 10, docs/faster-drafts.md section 3); alpha: teacher-forced step-1 alpha (a draft LM always)
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
     # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
     # worse); newest: the newest share of all records, judged pooled
@@ -104,6 +107,8 @@ class LearnerConfig:
             raise ValueError(f"unknown sampling mode {self.sampling!r}: use one of {SAMPLING_MODES}")
         if self.gate not in ("holdout", "next"):
             raise ValueError(f"gate must be 'holdout' or 'next', got {self.gate!r}")
+        if self.gate_metric not in ("replayed", "alpha"):
+            raise ValueError(f"gate_metric must be 'replayed' or 'alpha', got {self.gate_metric!r}")
         if self.gate_by not in ("domain", "newest"):
             raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
         if self.priority not in PRIORITIES:
@@ -128,8 +133,20 @@ DOMAIN_NOISE = 2.0  # standard errors a held-out domain's alpha may fall by in t
 
 
 def paired_error(before: dict, after: dict) -> float:
-    """The standard error of the mean per-position difference in alpha between two drafts scored
-    on the same positions (0 without per-position figures, or under two positions)."""
+    """The standard error of the difference in the gate's figure between two drafts scored on the
+    same records: of the mean per-position difference in alpha (``alphas``), or, for the replayed
+    figure (``requests``: each record's [accepted, judged]), of the difference of two ratios
+    sum(accepted) / sum(judged), by the delta method over records. 0 without those figures, or
+    under two positions or records."""
+    if "requests" in before and "requests" in after:
+        b, a = before["requests"].double(), after["requests"].double()
+        if len(b) < 2:
+            return 0.0
+        def influence(x):  # each record's share of the ratio's error
+            total = x[:, 1].sum().clamp_min(1)
+            return (x[:, 0] - x[:, 0].sum() / total * x[:, 1]) / total
+        diff = influence(a) - influence(b)
+        return float((diff.pow(2).sum() * len(diff) / (len(diff) - 1)).sqrt())
     if "alphas" not in before or "alphas" not in after or len(before["alphas"]) < 2:
         return 0.0
     diff = (after["alphas"] - before["alphas"]).double()
@@ -147,13 +164,16 @@ class UpdateReport:
     alpha_after: float  # candidate
     seconds: float
     examples: int = 0  # training examples the update drew from (records, or chain starts for a head)
-    by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [alpha before, alpha after]}
+    by_domain: dict = field(default_factory=dict)  # gate_by="domain": {domain: [figure before, after]} (gate_metric)
     ended_at: float = 0.0  # wall-clock time
     outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
     engine_seconds: float = 0.0  # the compute time it took (its wall time less its waits for the engine's turns)
     steps: int = 0  # optimizer steps it took (a draft born from the target takes LearnerConfig.cold_steps times more)
     cold: bool = False  # the draft was born from the target (LearnableDraft.cold): the learning controller judges it by alpha
+    gate_metric: str = "alpha"  # the figure the gate decided by (LearnerConfig.gate_metric; alpha for a draft LM)
+    replayed_before: float | None = None  # gate_metric replayed: the serving draft's replayed figure on the held-out records
+    replayed_after: float | None = None  # the candidate's
 
 
 class OnlineLearner:
@@ -185,6 +205,8 @@ class OnlineLearner:
         self.turns = turns  # the serving engine's turns: the update computes only in them (onlinespec.online.turns)
         self.identity = identity or {}
         self.learnable: LearnableDraft = learnable(proposer.model)
+        # the figure the gate decides by: a draft LM cannot be replayed without the target, so it is judged by alpha
+        self.gate_figure = "replayed" if self.config.gate_metric == "replayed" and self.learnable.replays else "alpha"
         self.reports: list[UpdateReport] = []
         self._count = 0
         self._records_seen = 0
@@ -510,6 +532,7 @@ class OnlineLearner:
             version = self._publish(candidate, {
                 "parent": parent, "records_seen": records_seen, "loss_before": before["loss"], "loss_after": after["loss"],
                 "alpha_before": before["alpha"], "alpha_after": after["alpha"], "alpha_by_domain": by_domain,
+                "gate_metric": self.gate_figure, "replayed_before": before.get("replayed"), "replayed_after": after.get("replayed"),
                 "config": asdict(self.config), "identity": self.identity,
             }, parent)
             outcome = "published" if version else "superseded"
@@ -520,7 +543,8 @@ class OnlineLearner:
             self.score()
         seconds = time.perf_counter() - start
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              seconds, examples, by_domain, time.time(), outcome, seconds - self._waited, steps, cold)
+                              seconds, examples, by_domain, time.time(), outcome, seconds - self._waited, steps, cold,
+                              self.gate_figure, before.get("replayed"), after.get("replayed"))
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
         if self.config.gate == "next":
@@ -558,26 +582,27 @@ class OnlineLearner:
         return None if self._cancel.is_set() else (candidate, optimizer, n, steps)
 
     def _gate(self, serving, candidate, groups: dict[str, list]):
-        """(serving's figures, the candidate's, {domain: [alpha before, after]}, passed): the
-        candidate passes if its alpha on the held-out records is no worse than the serving
-        draft's (less ``gate_margin``), pooled and, with several domains, on each, where a domain
-        may fall by its noise: ``DOMAIN_NOISE`` standard errors of the two drafts' paired
-        per-position difference (a draft LM, which has no per-position figures: none). A domain
-        holds out a few requests' positions; a candidate that gained 0.12 pooled was refused for
-        -0.003 on one of three (docs/online-learning.md)."""
-        metrics, distill, margin = self.learnable.metrics, self.config.distill, self.config.gate_margin
+        """(serving's figures, the candidate's, {domain: [figure before, after]}, passed): the
+        candidate passes if its figure (``gate_figure``: the replayed acceptance, or alpha) on the
+        held-out records is no worse than the serving draft's (less ``gate_margin``), pooled and,
+        with several domains, on each, where a domain may fall by its noise: ``DOMAIN_NOISE``
+        standard errors of the two drafts' paired difference (a draft LM, which has no
+        per-position figures: none). A domain holds out a few requests' positions; a candidate
+        that gained 0.12 pooled was refused for -0.003 on one of three (docs/online-learning.md)."""
+        metrics, distill, margin, figure = self.learnable.metrics, self.config.distill, self.config.gate_margin, self.gate_figure
         held_out = [r for rs in groups.values() for r in rs]
+        replay = figure == "replayed"
 
         def measured(model, records, per_position=False):
             self._pause_point()  # a chunk of positions is a unit of work
-            return metrics(model, records, distill, between=self._pause_point, per_position=per_position)
+            return metrics(model, records, distill, between=self._pause_point, per_position=per_position, replay=replay)
 
         before, after = measured(serving, held_out), measured(candidate, held_out)
-        passed, by_domain = after["alpha"] >= before["alpha"] - margin, {}
+        passed, by_domain = after[figure] >= before[figure] - margin, {}
         for domain, records in groups.items() if len(groups) > 1 else ():
-            b, a = measured(serving, records, True), measured(candidate, records, True)
-            by_domain[domain] = [b["alpha"], a["alpha"]]
-            passed = passed and a["alpha"] >= b["alpha"] - margin - DOMAIN_NOISE * paired_error(b, a)
+            b, a = measured(serving, records, not replay), measured(candidate, records, not replay)
+            by_domain[domain] = [b[figure], a[figure]]
+            passed = passed and a[figure] >= b[figure] - margin - DOMAIN_NOISE * paired_error(b, a)
         return before, after, by_domain, passed
 
     def _publish(self, candidate, meta: dict, parent: str) -> str | None:
