@@ -62,7 +62,8 @@ ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end re
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh", "--router", "single"], "fresh-domain": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
            "alone": ["--draft", "none"], "static": ["--draft", "hybrid", "--static"],
            "index": ["--draft", "hybrid", "--no-head-updates"],  # learning: the suffix index only (no records, no updates)
-           "fresh-alpha": ["--draft", "hybrid:fresh", "--router", "single", "--gate-metric", "alpha"]}  # the gate before 2026-12-05
+           "fresh-alpha": ["--draft", "hybrid:fresh", "--router", "single", "--gate-metric", "alpha"],  # the cold head's gate ('auto')
+           "fresh-replayed": ["--draft", "hybrid:fresh", "--router", "single", "--gate-metric", "replayed"]}  # the default of ff03c9f-852b8ec
 
 
 def online_split(n: int, domains: list[str]) -> list:

@@ -167,10 +167,10 @@ def test_chain_training_lowers_the_loss(tiny_target):
     assert bool((task.starts + 1 < task.end[task.starts]).all())
 
 
-def test_the_gates_figures_do_not_depend_on_how_many_positions_are_scored_at_once(tiny_target):
+def test_the_gates_figures_do_not_depend_on_how_the_positions_are_split(tiny_target):
     # head_metrics scores the held-out positions in chunks (its memory must not grow with the buffer)
     from onlinespec.distill.records import DistillRecord
-    from onlinespec.drafts.train import head_metrics
+    from onlinespec.drafts.train import head_metrics, pool_metrics
 
     torch.manual_seed(0)
     records = []
@@ -184,6 +184,15 @@ def test_the_gates_figures_do_not_depend_on_how_many_positions_are_scored_at_onc
     assert whole.keys() == chunked.keys()
     assert all(abs(whole[k] - chunked[k]) < 1e-5 for k in whole), (whole, chunked)
     assert 0 < whole["alpha"] < 1
+    # nor on whether they are measured over all the records or pooled from groups of them (the
+    # learner's gate measures each held-out domain once and pools)
+    every = dict(per_position=True, replay=True)
+    whole = head_metrics(head, records, DistillConfig(), **every)
+    pooled = pool_metrics([head_metrics(head, part, DistillConfig(), **every) for part in (records[:2], records[2:5], records[5:])])
+    assert whole.keys() == pooled.keys()
+    for key in ("loss", "agreement", "alpha", "replayed", "positions"):
+        assert pooled[key] == pytest.approx(whole[key], abs=1e-6), key
+    assert torch.allclose(pooled["alphas"], whole["alphas"]) and torch.equal(pooled["requests"], whole["requests"])
 
 
 def test_alpha_gives_a_head_nothing_for_target_tokens_outside_its_vocabulary():

@@ -95,6 +95,7 @@ def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tm
     assert 0 < learning["share_limit"] <= 0.1 and learning["turns"] > 0 and learning["engine_seconds"] > 0  # the controller may back off
     assert all(u["engine_seconds"] > 0 for u in published)
     assert {(u["steps"], u["cold"]) for u in result["updates"] if u["version"]} == {(4 * 4, True)}  # a cold head: cold_steps times the steps
+    assert {u["gate_metric"] for u in result["updates"] if u["draft"] == "code"} == {"alpha"}  # and judged by alpha (gate_metric 'auto')
     from onlinespec.online.registry import DraftRegistry
 
     assert DraftRegistry(tmp_path / "run" / "drafts" / "code").current() == published[-1]["version"]

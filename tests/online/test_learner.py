@@ -95,6 +95,7 @@ class _SplitVerdict(OnlineLearner):
 
         class Judge:
             copy, load, adapt, cold = real.copy, real.load, real.adapt, real.cold
+            pool, replays = None, False  # the pool measured as a whole; judged by alpha
 
             def objective(self, records, positions, depth, config):
                 return Objective(list(range(len(records) or 1)), lambda model, optimizer, batch: 0.0)
@@ -139,6 +140,8 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
     serving, candidate = learner._latest[0], object()
 
     class Judge:
+        pool = None
+
         def metrics(self, model, records, config, between=lambda: None, per_position=False, replay=False):
             values = torch.tensor([r.before if model is serving else r.after for r in records])
             out = {"loss": 1.0, "alpha": float(values.mean())}
@@ -146,7 +149,7 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
                 out["replayed"], out["requests"] = float(values.mean()), torch.stack([10 * values, torch.full_like(values, 10)], 1)
             return {**out, "alphas": values} if per_position else out
 
-    learner.learnable, learner.gate_figure = Judge(), figure
+    learner.learnable = Judge()
     gen = torch.Generator().manual_seed(0)
 
     def domain(name: str, gain: float, spread: float, n: int = 200) -> list:
@@ -156,9 +159,9 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
         return [SimpleNamespace(domain=name, before=float(b), after=float(a)) for b, a in zip(before, after)]
 
     grows = domain("a", 0.12, 0.1)
-    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.003, 0.15)})
+    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.003, 0.15)}, figure)
     assert passed and by_domain["b"][1] < by_domain["b"][0]  # fell by 0.003, with a standard error of about 0.01
-    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.05, 0.05)})
+    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.05, 0.05)}, figure)
     assert not passed  # fell by 0.05, with a standard error of about 0.004
 
 

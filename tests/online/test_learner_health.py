@@ -117,7 +117,7 @@ def test_the_update_steps_train_gate_and_publish_each_on_their_own(tiny_llama, t
     serving, parent = learner._latest
     candidate, optimizer, examples, steps = learner._train(serving, records)
     assert candidate is not serving and examples == len(records) and learner.steps_done == steps == 3
-    before, after, by_domain, passed = learner._gate(serving, candidate, {"default": records[-1:]})
+    before, after, by_domain, passed = learner._gate(serving, candidate, {"default": records[-1:]}, learner.gate_figure(False))
     assert set(before) >= {"loss", "alpha"} and by_domain == {} and passed  # gate margin 1: any candidate passes
     learner.registry.publish(serving.state_dict(), {"parent": parent, "note": "another process"})  # CURRENT moved meanwhile
     assert learner._publish(candidate, {"parent": parent}, parent) is None  # its choice stands

@@ -61,7 +61,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "gate": (Annotated[str, typer.Option(help="judge a candidate on the newest records held out of its training ('holdout') or train it on every "
                                                "record and judge it on the requests served next ('next': docs/faster-drafts.md, section 3)")], LearnerConfig.gate),
     "gate_metric": (Annotated[str, typer.Option(help="the figure a candidate is judged by: 'replayed', what the hybrid proposer serving with it "
-                                                      "accepts over the judged records (a feature head), or 'alpha', step-1 alpha (docs/faster-drafts.md, section 3)")],
+                                                      "accepts over the judged records (a feature head), 'alpha', step-1 alpha (docs/faster-drafts.md, section 3), "
+                                                      "or 'auto', replayed but alpha while a head born from the target is cold (docs/online-learning.md)")],
                     LearnerConfig.gate_metric),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "

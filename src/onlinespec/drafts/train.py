@@ -268,11 +268,14 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
     ``per_position``: also ``alphas``, each position's alpha (for a paired comparison of two heads
     on the same records: the gate's noise). ``replay``: also ``replayed``, what the hybrid proposer
     serving with ``head`` accepts over the records (:func:`records_replay`), and ``requests``,
-    each record's ``[accepted, judged]``."""
+    each record's ``[accepted, judged]``. ``positions``: how many positions the figures average
+    over (:func:`pool_metrics` pools several calls' figures)."""
     signal, _ = records_to_signal(records)
     task = ChainTask(signal, ChainConfig(depth=1))
     if len(task) == 0:
-        return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0, **({"replayed": 0.0, "requests": torch.zeros(0, 2)} if replay else {})}
+        return {"loss": 0.0, "agreement": 0.0, "alpha": 0.0, "positions": 0,
+                **({"alphas": torch.zeros(0)} if per_position else {}),
+                **({"replayed": 0.0, "requests": torch.zeros(0, 2, dtype=torch.float64)} if replay else {})}
     loss = agreement = alpha = 0.0
     alphas = []
     for starts in task.starts.split(chunk):
@@ -287,12 +290,29 @@ def head_metrics(head: FeatureHead, records, config: DistillConfig, chunk: int =
             alphas.append(each.detach())
         between()
     n = len(task)
-    out = {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n}
+    out = {"loss": loss / n, "agreement": agreement / n, "alpha": alpha / n, "positions": n}
     if per_position:
         out["alphas"] = torch.cat(alphas)
     if replay:
         requests = torch.tensor(records_replay(head, records, chunk, between), dtype=torch.float64).reshape(-1, 2)
         out["replayed"], out["requests"] = float(requests[:, 0].sum() / requests[:, 1].sum().clamp_min(1)), requests
+    return out
+
+
+def pool_metrics(parts: list[dict]) -> dict:
+    """:func:`head_metrics` over several groups of records, from each group's figures: the same
+    figures one call over all the records would give (position-weighted means; the per-position
+    and per-record figures concatenated; the replayed ratio recomputed from the pooled records).
+    The learner's gate measures each held-out domain once and pools (half the work of measuring
+    the pool again)."""
+    n = sum(p["positions"] for p in parts)
+    out = {key: sum(p[key] * p["positions"] for p in parts) / max(1, n) for key in ("loss", "agreement", "alpha")}
+    out["positions"] = n
+    for key in ("alphas", "requests"):
+        if parts and all(key in p for p in parts):
+            out[key] = torch.cat([p[key] for p in parts])
+    if "requests" in out:
+        out["replayed"] = float(out["requests"][:, 0].sum() / out["requests"][:, 1].sum().clamp_min(1))
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 from onlinespec.decoding.feature_head import FeatureHead, frequent_vocab
 from onlinespec.distill.records import DistillRecord
 from onlinespec.distill.step import DistillConfig, distill_step, evaluate
-from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics
+from onlinespec.drafts.train import ChainConfig, chain_task, head_metrics, pool_metrics
 from onlinespec.weights import load_weights
 
 
@@ -48,6 +48,7 @@ class LearnableDraft(Protocol):
         replayed without the target (``replays``)."""
 
     replays: bool  # whether metrics(replay=True) gives the replayed figures
+    pool: Callable[[list[dict]], dict] | None  # several groups' metrics -> those over all their records, or None
 
     def load(self, model: torch.nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
         """Load published weights strictly (a ValueError, naming ``label``, if they do not fit)."""
@@ -61,6 +62,7 @@ class LearnableDraft(Protocol):
 
 class _Strict:
     replays = False
+    pool = None  # figures of several groups of records -> the figures over all of them (None: measure the whole again)
 
     def load(self, model, state, label):
         load_weights(model, state, label)
@@ -85,6 +87,7 @@ class DraftLM(_Strict):
 
 class HeadDraft(_Strict):
     replays = True  # the target's features are recorded: a head's proposals can be replayed exactly
+    pool = staticmethod(pool_metrics)
 
     def copy(self, model):
         return model.clone()

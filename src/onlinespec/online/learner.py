@@ -75,9 +75,11 @@ class LearnerConfig:
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
     gate: str = "holdout"  # holdout: judge on the newest gate_fraction held out of training; next: train on
     # every record, judge on the records served after it (onlinespec.online.gate)
-    gate_metric: str = "replayed"  # replayed: what the hybrid proposer serving with each draft accepts over the
+    gate_metric: str = "auto"  # replayed: what the hybrid proposer serving with each draft accepts over the
     # judged records, replayed (a feature head; agreed with the truth on 14-15 of 20 candidates where alpha
-    # agreed on 10, docs/faster-drafts.md section 3); alpha: teacher-forced step-1 alpha (a draft LM always)
+    # agreed on 10, docs/faster-drafts.md section 3); alpha: teacher-forced step-1 alpha (a draft LM always);
+    # auto: replayed, but alpha while a head is cold (born from the target: nearly every candidate gains, and on
+    # the cold start the alpha gate's cheaper updates served 0.48 against 0.36 by request 300, docs/online-learning.md)
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
     # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
     # worse); newest: the newest share of all records, judged pooled
@@ -107,8 +109,8 @@ class LearnerConfig:
             raise ValueError(f"unknown sampling mode {self.sampling!r}: use one of {SAMPLING_MODES}")
         if self.gate not in ("holdout", "next"):
             raise ValueError(f"gate must be 'holdout' or 'next', got {self.gate!r}")
-        if self.gate_metric not in ("replayed", "alpha"):
-            raise ValueError(f"gate_metric must be 'replayed' or 'alpha', got {self.gate_metric!r}")
+        if self.gate_metric not in ("auto", "replayed", "alpha"):
+            raise ValueError(f"gate_metric must be 'auto', 'replayed' or 'alpha', got {self.gate_metric!r}")
         if self.gate_by not in ("domain", "newest"):
             raise ValueError(f"gate_by must be 'domain' or 'newest', got {self.gate_by!r}")
         if self.priority not in PRIORITIES:
@@ -205,8 +207,6 @@ class OnlineLearner:
         self.turns = turns  # the serving engine's turns: the update computes only in them (onlinespec.online.turns)
         self.identity = identity or {}
         self.learnable: LearnableDraft = learnable(proposer.model)
-        # the figure the gate decides by: a draft LM cannot be replayed without the target, so it is judged by alpha
-        self.gate_figure = "replayed" if self.config.gate_metric == "replayed" and self.learnable.replays else "alpha"
         self.reports: list[UpdateReport] = []
         self._count = 0
         self._records_seen = 0
@@ -524,7 +524,8 @@ class OnlineLearner:
             return
         candidate, optimizer, examples, steps = trained
         cold = self.learnable.cold(serving)
-        before, after, by_domain, passed = self._gate(serving, candidate, groups)
+        figure = self.gate_figure(cold)
+        before, after, by_domain, passed = self._gate(serving, candidate, groups, figure)
         if self._cancel.is_set():  # shutdown or a rollback while it ran: never publish
             return
         version, outcome = None, "pinned" if passed and self.pinned else "refused"
@@ -532,7 +533,7 @@ class OnlineLearner:
             version = self._publish(candidate, {
                 "parent": parent, "records_seen": records_seen, "loss_before": before["loss"], "loss_after": after["loss"],
                 "alpha_before": before["alpha"], "alpha_after": after["alpha"], "alpha_by_domain": by_domain,
-                "gate_metric": self.gate_figure, "replayed_before": before.get("replayed"), "replayed_after": after.get("replayed"),
+                "gate_metric": figure, "replayed_before": before.get("replayed"), "replayed_after": after.get("replayed"),
                 "config": asdict(self.config), "identity": self.identity,
             }, parent)
             outcome = "published" if version else "superseded"
@@ -544,7 +545,7 @@ class OnlineLearner:
         seconds = time.perf_counter() - start
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
                               seconds, examples, by_domain, time.time(), outcome, seconds - self._waited, steps, cold,
-                              self.gate_figure, before.get("replayed"), after.get("replayed"))
+                              figure, before.get("replayed"), after.get("replayed"))
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
         if self.config.gate == "next":
@@ -581,15 +582,26 @@ class OnlineLearner:
         run_steps(candidate, optimizer, objective.step, batches, stop=self._cancel.is_set, after_step=after_step)
         return None if self._cancel.is_set() else (candidate, optimizer, n, steps)
 
-    def _gate(self, serving, candidate, groups: dict[str, list]):
+    def gate_figure(self, cold: bool) -> str:
+        """The figure the gate decides by (``LearnerConfig.gate_metric``): 'auto' is the replayed
+        acceptance, or alpha while the draft is ``cold``; a draft LM, which cannot be replayed
+        without the target, is always judged by alpha."""
+        metric = self.config.gate_metric
+        if metric == "auto":
+            metric = "alpha" if cold else "replayed"
+        return metric if self.learnable.replays else "alpha"
+
+    def _gate(self, serving, candidate, groups: dict[str, list], figure: str):
         """(serving's figures, the candidate's, {domain: [figure before, after]}, passed): the
-        candidate passes if its figure (``gate_figure``: the replayed acceptance, or alpha) on the
+        candidate passes if its ``figure`` (:meth:`gate_figure`: the replayed acceptance, or alpha) on the
         held-out records is no worse than the serving draft's (less ``gate_margin``), pooled and,
         with several domains, on each, where a domain may fall by its noise: ``DOMAIN_NOISE``
         standard errors of the two drafts' paired difference (a draft LM, which has no
         per-position figures: none). A domain holds out a few requests' positions; a candidate
-        that gained 0.12 pooled was refused for -0.003 on one of three (docs/online-learning.md)."""
-        metrics, distill, margin, figure = self.learnable.metrics, self.config.distill, self.config.gate_margin, self.gate_figure
+        that gained 0.12 pooled was refused for -0.003 on one of three (docs/online-learning.md).
+        A feature head's pooled figures come from its domains' (``LearnableDraft.pool``): each
+        held-out record is measured, and replayed, once per draft."""
+        metrics, distill, margin = self.learnable.metrics, self.config.distill, self.config.gate_margin
         held_out = [r for rs in groups.values() for r in rs]
         replay = figure == "replayed"
 
@@ -597,10 +609,14 @@ class OnlineLearner:
             self._pause_point()  # a chunk of positions is a unit of work
             return metrics(model, records, distill, between=self._pause_point, per_position=per_position, replay=replay)
 
-        before, after = measured(serving, held_out), measured(candidate, held_out)
+        parts = {domain: (measured(serving, records, not replay), measured(candidate, records, not replay))
+                 for domain, records in (groups.items() if len(groups) > 1 else ())}
+        if parts and self.learnable.pool:  # the pool from each domain's figures: each record measured once
+            before, after = (self.learnable.pool([pair[i] for pair in parts.values()]) for i in (0, 1))
+        else:
+            before, after = measured(serving, held_out), measured(candidate, held_out)
         passed, by_domain = after[figure] >= before[figure] - margin, {}
-        for domain, records in groups.items() if len(groups) > 1 else ():
-            b, a = measured(serving, records, not replay), measured(candidate, records, not replay)
+        for domain, (b, a) in parts.items():
             by_domain[domain] = [b[figure], a[figure]]
             passed = passed and a[figure] >= b[figure] - margin - DOMAIN_NOISE * paired_error(b, a)
         return before, after, by_domain, passed
