@@ -45,7 +45,7 @@ from onlinespec.models import load_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "backends"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 
 
 def llama_cpp_python(gguf: Path, lookup: int | None):
@@ -201,7 +201,7 @@ def write_report(result: dict) -> None:
     ax.set_xlabel("tokens/s (pooled over prompts, greedy, batch 1)")
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {result['n_prompts']} held-out prompts, {result['machine']['date']}")
     fig.tight_layout()
-    DOCS.mkdir(exist_ok=True)
+    DOCS.mkdir(parents=True, exist_ok=True)
     fig.savefig(DOCS / "backends.png", dpi=120)
 
 

@@ -31,12 +31,12 @@ event log gives each request's acceptance (alpha), tokens per target forward (ta
 Reported by block::
 
     python bench/cold_start.py --n 1000                # ~65 min on 2 cores
-    python bench/cold_start.py --report-only           # rewrite docs/cold-start.png from the JSON
+    python bench/cold_start.py --report-only           # rewrite docs/results/cold-start.png from the JSON
     # another architecture and tokenizer, with no packaged head (`make other-target` prints its path):
-    python bench/cold_start.py --n 300 --configs fresh,suffix,alone --json docs/cold-start-gemma.json \
+    python bench/cold_start.py --n 300 --configs fresh,suffix,alone --json docs/results/cold-start-gemma.json \
         --server-args --target GEMMA.gguf --chat-template bench/question-answer.jinja
 
-Writes docs/cold-start.json and docs/cold-start.png; docs/online-learning.md quotes them.
+Writes docs/results/cold-start.json and docs/results/cold-start.png; docs/online-learning.md quotes them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT / "bench"))
 
 ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end reads /admin/drafts (learning share, headroom)

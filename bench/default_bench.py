@@ -2,11 +2,12 @@
 
 Runs `onlinespec bench` on 60 HELD-OUT real prompts (20 chat, 20 code, 20 math; none of them was
 seen by the warm-up) for each candidate, one after the other on a quiet machine, and writes
-docs/default-bench.md and docs/default-bench.png. Each candidate's run has the target alone and
+docs/results/default-bench.md and docs/results/default-bench.png (docs/default-bench.md quotes
+them). Each candidate's run has the target alone and
 (where asked) Hugging Face assisted generation interleaved prompt by prompt in the same process.
 
     python bench/default_bench.py                 # all candidates (~40 min on 2 cores)
-    python bench/default_bench.py --report-only   # rewrite docs/ from runs/default-bench/*.json
+    python bench/default_bench.py --report-only   # rewrite docs/results/ from runs/default-bench/*.json
 
 Candidates are `draft,k,dtype,options` with options `adaptive` (per-round k from the cost
 model), `hf` (also run HF assisted generation; for heads that is HF prompt lookup, the nearest
@@ -27,7 +28,7 @@ from engine_bench import _plot, _section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "default-bench"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 CANDIDATES = [
     "hybrid,4,float32,adaptive+hf",
     "head,1,float32,",

@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--levels", default="1,2,4,8")
     parser.add_argument("--legacy", default=LEGACY_REV, help="git revision of the engine to compare with at concurrency 1 ('' to skip)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--report-only", action="store_true", help="print the tables of runs/engine-batched/report.json")
     args = parser.parse_args()
     if args.report_only:  # tables and plots again from the last run

@@ -1,8 +1,8 @@
 """Engine benchmark: target alone vs onlinespec vs HF assisted generation, on real prompts.
 
 Exports 60 packaged real prompts (20 chat, 20 code, 20 math), runs `onlinespec bench` for each
-draft configuration, and writes docs/engine-bench.md (tables with the exact commands, the machine
-and the date) and docs/engine-bench.png (tokens/s by domain, the three methods side by side).
+draft configuration, and writes docs/results/engine-bench.md (tables with the exact commands, the machine
+and the date) and docs/results/engine-bench.png (tokens/s by domain, the three methods side by side).
 
     python bench/engine_bench.py                       # all configurations (about 33 min on 2 cores)
     python bench/engine_bench.py --configs ngram:3     # one configuration, draft:k
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "engine-bench"
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 CONFIGS = ["target-layers:2:2", "ngram:2", "ngram:4"]  # draft spec, then k after the last colon
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=60)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--report-only", action="store_true", help="rewrite docs/ from the JSON of an earlier run")
+    parser.add_argument("--report-only", action="store_true", help="rewrite docs/results/ from the JSON of an earlier run")
     args = parser.parse_args()
 
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def main() -> None:
 
 
 def write_report(summaries: list[dict], args: argparse.Namespace) -> None:
-    DOCS.mkdir(exist_ok=True)
+    DOCS.mkdir(parents=True, exist_ok=True)
     machine = summaries[0]["machine"]
     lines = [
         "# Engine benchmark: target alone vs onlinespec vs Hugging Face assisted generation",

@@ -19,9 +19,9 @@ acceptance alpha and agreement, the gate's figures). Arms, each a fresh head
     python bench/fresh_head_data.py runs/cold-start/fresh/buffer      # ~15 min on 2 cores
     python bench/fresh_head_data.py runs/cold-start/fresh/buffer --arms packaged,own
     python bench/fresh_head_data.py runs/cold-start-gemma/fresh/buffer --arms untrained,shared --steps 480 \
-        --target GEMMA.gguf --json docs/fresh-head-data-gemma.json     # another target's buffer
+        --target GEMMA.gguf --json docs/results/fresh-head-data-gemma.json     # another target's buffer
 
-Prints a table and writes docs/fresh-head-data.json.
+Prints a table and writes docs/results/fresh-head-data.json.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from onlinespec.online.learnable import HeadDraft
 from onlinespec.online.learner import LearnerConfig
 
 ARMS = ("untrained", "packaged", "own", "shared", "own x4", "shared x4")
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 def by_request(records: list) -> list[list]:

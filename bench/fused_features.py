@@ -12,7 +12,7 @@ Only a round's first step reads the target's state; later steps read the head's 
 in serving. Both are scored by replaying greedy speculative decoding exactly (k = 4, head alone
 and the hybrid with n-gram lookup) on held-out requests, against the packaged head::
 
-    python bench/fused_features.py --train 300 --heldout 60 --steps 400 --out docs/fused-features
+    python bench/fused_features.py --train 300 --heldout 60 --steps 400 --out docs/results/fused-features
 
 Training data: the target's greedy answers to warm-up-split chat and code requests; held out: the
 default bench's 60 held-out chat, code and maths prompts.
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--low", type=int, default=3, help="the low layer (hidden_states index: 0 is the embeddings)")
     parser.add_argument("--mid", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("docs/fused-features"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/fused-features"))
     args = parser.parse_args()
     torch.manual_seed(0)
     target = load_model("default")

@@ -7,7 +7,7 @@ publishes the copy only if its alpha on the hold-out is no worse, and the truth 
 guess: the hybrid's alpha (n-gram lookup + head, replayed exactly, ``replay_acceptance``) on
 ``--heldout`` requests of the held-out split that no update ever saw. One row per hypothesis::
 
-    python bench/gate_experiments.py --domain stdlib --out docs/gate-experiments
+    python bench/gate_experiments.py --domain stdlib --out docs/results/gate-experiments
 
 Hypotheses (each row changes one thing from ``baseline``, the learner's settings in the issue:
 I = 10, 40 steps of batch 32 at lr 3e-4 on every verified position, Adam state carried on, the
@@ -21,7 +21,7 @@ gate holding out the newest 20% of requests):
 - ``I = 25``: more data per update;
 - and, after the first round, the learning rate and steps around the best of them.
 
-Gates that can tell (``--out docs/gate-experiments-next``, the ``next ...`` rows): every
+Gates that can tell (``--out docs/results/gate-experiments-next``, the ``next ...`` rows): every
 candidate is also scored, in the shadow of the gate that decides, by the gates below, so all are
 compared on the same candidates (``--analyse FILE.json`` recomputes the table from a saved run):
 - ``holdout first``: the learner's gate (first-proposal agreement, newest 20% held out);
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--stream", type=int, default=100, help="online-split requests learned from")
     parser.add_argument("--heldout", type=int, default=40, help="held-out-split requests the truth is measured on")
     parser.add_argument("--only", default=None, help="comma-separated setting names (default: all)")
-    parser.add_argument("--out", type=Path, default=Path("docs/gate-experiments"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/gate-experiments"))
     parser.add_argument("--gates", action="store_true", help="score every candidate by every rule of RULES too (the next-requests gates)")
     parser.add_argument("--analyse", type=Path, default=None, help="a saved --gates JSON: print its tables, run nothing")
     args = parser.parse_args()

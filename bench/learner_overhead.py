@@ -10,7 +10,7 @@ runs an endless update under each budget, in interleaved blocks:
 
     python bench/learner_overhead.py        # ~6 min on 2 CPU cores; run it on a quiet machine
 
-Writes docs/learner-overhead.md.
+Writes docs/results/learner-overhead.md (docs/learner-overhead.md quotes it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learner import LearnerConfig, OnlineLearner
 from onlinespec.online.registry import DraftRegistry
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "results"
 BUDGETS = {"off": None, "low": {"priority": "low"}, "normal, share 0.15": {"priority": "normal", "cpu_share": 0.15},
            "normal, share 1": {"priority": "normal", "cpu_share": 1.0}}
 REPEATS = 3

@@ -19,8 +19,8 @@ checked here against the live static probes.
     python bench/online_experiments.py                 # ~95 min on 2 CPU cores; stages are cached
     python bench/online_experiments.py --report-only   # tables and plots from the saved results
 
-Writes docs/online-experiments.md, docs/online-fig3.png, docs/online-fig4.png and
-docs/online-experiments.json.
+Writes docs/results/online-experiments.md, docs/results/online-fig3.png, docs/results/online-fig4.png and
+docs/results/online-experiments.json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from onlinespec.data.sources import MATH_ML_LANGUAGES
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 WORK = ROOT / "runs" / "online-exp"
 PER_DOMAIN = 300
 GRADUAL_EVERY = 100
@@ -260,7 +260,7 @@ def report(out: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    DOCS.mkdir(exist_ok=True)
+    DOCS.mkdir(parents=True, exist_ok=True)
     replay, runs = out["replay"], out["runs"]
     refs = [name for name in replay]
     lines = ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",

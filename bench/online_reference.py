@@ -26,7 +26,7 @@ online draft's head alone is replayed with the version that served each request.
 ``--cpu-share S`` runs the learner at normal priority for at most a share S of the wall time
 (faster updates, at a serving cost) instead of the demo's lowest OS priority.
 
-Writes docs/NAME.md, docs/NAME.png and docs/NAME.json (NAME: ``--name``, default online-reference).
+Writes docs/results/NAME.md, docs/results/NAME.png and docs/results/NAME.json (NAME: ``--name``, default online-reference).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_experiments import DOMAIN_ORDER, NEW_TOKENS, K, pools, serve_cached, streams, teacher_signal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 WORK = ROOT / "runs" / "online-reference"
 NGRAM = (3, 2)  # the default hybrid's n-gram lookup (max, min)
 WINDOW = 50  # moving average, as the paper plots alpha
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("per_domain", type=int, nargs="?", default=200, help="requests per domain segment")
     parser.add_argument("--domains", default=",".join(DOMAIN_ORDER), help="segments to serve, from " + ",".join(DOMAIN_ORDER))
     parser.add_argument("--cpu-share", type=float, default=None, help="learner at normal priority with this wall-time share")
-    parser.add_argument("--name", default="online-reference", help="output name under docs/")
+    parser.add_argument("--name", default="online-reference", help="output name under docs/results/")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.report_only:

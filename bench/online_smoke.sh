@@ -11,5 +11,5 @@ onlinespec online --stream $OUT/stream.jsonl --json $OUT/online.json --out-dir $
   --max-new-tokens 32 --update-interval 20 --steps-per-update 20 --lr 3e-4 --positions verified
 onlinespec online --stream $OUT/stream.jsonl --json $OUT/static.json --out-dir $OUT/static \
   --max-new-tokens 32 --static
-onlinespec report online=$OUT/online.json static=$OUT/static.json --out-dir docs/online-smoke \
+onlinespec report online=$OUT/online.json static=$OUT/static.json --out-dir docs/results/online-smoke \
   --title "Online vs static draft (target-layers:2, k = 2), code -> chat stream"

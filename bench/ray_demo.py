@@ -9,7 +9,7 @@ while its draft learns, in each.
     python bench/ray_demo.py                  # 80 maths, 20 code, 20 chat requests each (~15 min here)
     python bench/ray_demo.py --report-only    # rewrite the JSON and the PNG from the two runs
 
-Writes docs/ray-demo.json and docs/ray-demo.png; docs/scale.md quotes them.
+Writes docs/results/ray-demo.json and docs/results/ray-demo.png; docs/scale.md quotes them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 RUNS = {"one process": [], "2 replicas on Ray": ["--replicas", "2"]}
 WINDOW = 20  # requests of the new domain at the start and at the end
 

@@ -19,7 +19,7 @@ server alternating, block after block: each pair of blocks is measured within a 
 ratio's interval is a bootstrap over pairs. The idle server waits meanwhile (a local Ray cluster's
 daemons spend a little CPU idle: counted in the JSON, under the single server's blocks).
 
-Writes docs/ray-overhead-streamed.{json,png} (or -whole); docs/scale.md quotes them.
+Writes docs/results/ray-overhead-streamed.{json,png} (or -whole); docs/scale.md quotes them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import held_out, run_level, send  # noqa: E402
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 SERVERS = {"single": ["--static"], "ray-1": ["--static", "--replicas", "1"], "ray-2": ["--static", "--replicas", "2"]}
 ORDER = ("single", "ray-1", "ray-2", "single", "ray-1")
 
@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path("runs/ray-overhead"))
-    parser.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.png (default: docs/ray-overhead-streamed or -whole)")
+    parser.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.png (default: docs/results/ray-overhead-streamed or -whole)")
     parser.add_argument("--whole", action="store_true", help="answers whole instead of streamed (one relayed event per request)")
     parser.add_argument("--order", default=",".join(ORDER), help="the servers to run, in order")
     parser.add_argument("--paired", action="store_true", help="both servers up at once, the same blocks of requests alternated between them")

@@ -17,7 +17,7 @@ the returning domains' alpha against the end of their previous segment, tokens/s
 with a paired bootstrap 95% interval, identity with the target alone, and writes the routing
 report's PNG of the content run::
 
-    python bench/routing_stream.py --segment 150 --out docs/routing-stream
+    python bench/routing_stream.py --segment 150 --out docs/results/routing-stream
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=30)
     parser.add_argument("--only", default=None, help="comma-separated runs to (re)run; the others are read from WORK (none: report only)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path("docs/routing-stream"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/routing-stream"))
     args = parser.parse_args()
     if args.run:
         run_one(args, args.run)

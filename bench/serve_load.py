@@ -7,9 +7,9 @@ measures latency, time to first token and throughput, and checks that both serve
 identical token for token (by text) at every level.
 
     python bench/serve_load.py                       # 200 requests at 1, 4 and 8 in flight (~35 min here)
-    python bench/serve_load.py --report-only         # rewrite docs/serve-load.png from the JSON
+    python bench/serve_load.py --report-only         # rewrite docs/results/serve-load.png from the JSON
 
-Writes docs/serve-load.json and docs/serve-load.png; docs/serve.md quotes them.
+Writes docs/results/serve-load.json and docs/results/serve-load.png; docs/serve.md quotes them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 DOMAINS = ("chat", "code", "math_ml")
 SERVERS = {"speculative": ["--static"], "target_alone": ["--draft", "none"]}
 

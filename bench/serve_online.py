@@ -12,8 +12,8 @@ by the starting head kept static (draft "static"), and after the stream, learnin
 static head and the target alone again: the static head's two passes are the serving throughput
 with the learner running vs paused, on the same requests and draft, in one run.
 
-Writes docs/serve-online.json, docs/serve-online.png (alpha over requests) and the run's report
-under runs/serve-online/run/ (with ``--replicas N``: docs/serve-online-ray.{json,png}, runs/serve-online-ray/).
+Writes docs/results/serve-online.json, docs/results/serve-online.png (alpha over requests) and the run's report
+under runs/serve-online/run/ (with ``--replicas N``: docs/results/serve-online-ray.{json,png}, runs/serve-online-ray/).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 LEARNER = ["--update-interval", "25", "--steps-per-update", "40", "--batch-size", "64", "--lr", "1e-3", "--positions", "verified"]
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=0, help="serve with --replicas N on a local Ray cluster (0: one process)")
     parser.add_argument("--priority", default=None, help="the learner's priority (the server's default: low)")
     parser.add_argument("--work", type=Path, default=None, help="default: runs/serve-online (runs/serve-online-ray with --replicas)")
-    parser.add_argument("--out", type=Path, default=None, help="default: docs/serve-online (docs/serve-online-ray with --replicas)")
+    parser.add_argument("--out", type=Path, default=None, help="default: docs/results/serve-online (docs/results/serve-online-ray with --replicas)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     name = "serve-online-ray" if args.replicas else "serve-online"

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import held_out, run_level, send  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 
 
 def wait_ready(url: str, seconds: float = 900) -> None:

@@ -10,10 +10,10 @@ A sampler records the server's resident memory and the size of /metrics every 30
 
     python bench/soak.py                         # 30 minutes at 8 in flight (~35 min with start-up)
     python bench/soak.py --minutes 2             # a quick look
-    python bench/soak.py --report-only           # rewrite docs/soak.png from docs/soak.json
-    python bench/soak.py --minutes 12 --json docs/soak-static.json --server-args --static   # learning off: what memory does then
+    python bench/soak.py --report-only           # rewrite docs/results/soak.png from docs/results/soak.json
+    python bench/soak.py --minutes 12 --json docs/results/soak-static.json --server-args --static   # learning off: what memory does then
 
-Writes docs/soak.json and docs/soak.png; docs/reliability.md quotes them.
+Writes docs/results/soak.json and docs/results/soak.png; docs/reliability.md quotes them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT))  # the hostile catalogue lives with its test
 sys.path.insert(0, str(ROOT / "bench"))
 

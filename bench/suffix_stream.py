@@ -17,7 +17,7 @@ It reports tokens/s over the last ``--last`` requests of each against ``static``
 requests (pooled tokens over pooled seconds, with a paired bootstrap 95% interval over requests),
 alpha, how many proposals each drafter made and how many the target kept, and writes a PNG::
 
-    python bench/suffix_stream.py --domain math_ml --n 300 --out docs/suffix-stream
+    python bench/suffix_stream.py --domain math_ml --n 300 --out docs/results/suffix-stream
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=10, help="I: the head's update interval (requests)")
     parser.add_argument("--only", default=None, help="comma-separated configurations to (re)run; the others are read from WORK")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
-    parser.add_argument("--out", type=Path, default=Path("docs/suffix-stream"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/suffix-stream"))
     args = parser.parse_args()
     pool = split_queries(stream_pools([args.domain])[args.domain], "online")
     queries = abrupt_shifts({args.domain: pool}, args.n, seed=0)

@@ -8,7 +8,7 @@ and is scored on that domain's held-out prompts (the target's greedy answers).
     python bench/table1.py                      # ~35 min on 2 CPU cores; cached signals reused
     python bench/table1.py --report-only        # table and plot from the saved cells
 
-Writes docs/table1.md, docs/table1.png and docs/table1.json.
+Writes docs/results/table1.md, docs/results/table1.png and docs/results/table1.json.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 WORK = ROOT / "runs" / "table1"
 DOMAINS = ("chat", "code", "math")
 LOSSES = ("fkl", "rkl", "jsd", "tvd")

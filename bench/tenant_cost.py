@@ -9,7 +9,7 @@ index is the only thing that differs). It reports, per T, alpha pooled over the 
 tokens the suffix index proposed and the target kept, and tokens/s; acceptance is deterministic
 (greedy), so it needs no interleaving, while tokens/s is only indicative (runs follow each other)::
 
-    python bench/tenant_cost.py --domain math_ml --n 120 --tenants 1,4,16 --out docs/tenant-cost
+    python bench/tenant_cost.py --domain math_ml --n 120 --tenants 1,4,16 --out docs/results/tenant-cost
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=120)
     parser.add_argument("--tenants", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("docs/tenant-cost"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/tenant-cost"))
     args = parser.parse_args()
     queries = split_queries(stream_pools([args.domain])[args.domain], "online")[: args.n]
     rows = []

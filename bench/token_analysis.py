@@ -12,7 +12,7 @@ Writes a Markdown table (all 100 tokens, sorted by recall gain) and a PNG (recal
 before vs after, the tokens that gained most named)::
 
     python bench/token_analysis.py --registry runs/stdlib300-learn/drafts/stdlib --domain stdlib \
-        --out docs/token-analysis
+        --out docs/results/token-analysis
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=80, help="held-out requests")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=Path("docs/token-analysis"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/token-analysis"))
     args = parser.parse_args()
 
     target = load_model("default")

@@ -9,7 +9,7 @@ held-out evaluation, as one unit (before) and chunk by chunk (after: ``between``
 
     python bench/turn_units.py runs/cold-start/packaged/buffer/chat     # ~1 min on 2 cores
 
-Prints a table and writes docs/turn-units.json.
+Prints a table and writes docs/results/turn-units.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import HeadDraft
 from onlinespec.online.learner import LearnerConfig
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
 def main(folder: str) -> None:
