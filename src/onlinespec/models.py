@@ -150,9 +150,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = "auto", device: str = "auto") -> LoadedModel:
+def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = "auto", device: str = "auto",
+                target_format: str = "as-is", n_gpu_layers: int = 0) -> LoadedModel:
     """Load a target to serve, on the backend and device asked for (``auto``: llama.cpp for a GGUF
-    file on the CPU, else torch; :mod:`onlinespec.backends`)."""
+    file on the CPU, else torch; :mod:`onlinespec.backends`). On llama.cpp, ``target_format``
+    picks the weight format served (:mod:`onlinespec.formats`: the file as it is, a converted copy
+    in the cache, or ``auto``) and ``n_gpu_layers`` how many layers a GPU build of llama.cpp offloads."""
     from onlinespec.backends import resolve_backend, resolve_device, resolve_dtype_name
 
     device = resolve_device(device)
@@ -166,7 +169,13 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
     if backend == "llama.cpp":
         from onlinespec.decoding.runners.llamacpp import LlamaCppModel
 
-        loaded.llama = LlamaCppModel.load(gguf)
+        from onlinespec.formats import served_file
+
+        loaded.gguf = served_file(gguf, target_format)
+        loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
+    elif target_format != "as-is":
+        raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "
+                         "formats are llama.cpp's (serve a .gguf target on --backend llama.cpp)")
     return loaded
 
 

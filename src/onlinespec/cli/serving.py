@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, KOpt, TargetOpt, app, console, out, user_errors
+from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, KOpt, NglOpt, TargetFormatOpt, TargetOpt, app, console, out, user_errors
 from onlinespec.cli.records import routing_table
 from onlinespec.distill.step import DistillConfig
 from onlinespec.factory import DEFAULT_DRAFT
@@ -36,6 +36,8 @@ CORE_OPTIONS: dict[str, tuple] = {
     "dtype": (Annotated[str, typer.Option(help="torch backend: float32, float16, bfloat16 or auto (bfloat16 on CUDA, else float32); llama.cpp: auto only (the GGUF file's quantisation decides)")], CoreConfig.dtype),
     "backend": (BackendOpt, CoreConfig.backend),
     "device": (DeviceOpt, CoreConfig.device),
+    "target_format": (TargetFormatOpt, CoreConfig.target_format),
+    "n_gpu_layers": (NglOpt, CoreConfig.n_gpu_layers),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
     "head_updates": (Annotated[bool, typer.Option("--head-updates/--no-head-updates", help="learning trains the learned draft too, or only the suffix index")], CoreConfig.head_updates),
     "update_interval": (Annotated[int, typer.Option(min=1, help="I: update a draft every I units")], LearnerConfig.update_interval),
@@ -97,7 +99,7 @@ def _core_config(o: dict) -> CoreConfig:
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
-    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],

@@ -66,12 +66,13 @@ class LlamaCppModel:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "LlamaCppModel":
+    def load(cls, path: str | os.PathLike[str], n_gpu_layers: int = 0) -> "LlamaCppModel":
+        """``n_gpu_layers``: layers a GPU build of llama.cpp offloads (llama.cpp's -ngl; -1: all; a CPU build ignores it)."""
         lib = _bindings()
         path = Path(path)
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
+        params.n_gpu_layers = n_gpu_layers
         pointer = lib.llama_model_load_from_file(str(path).encode(), params)
         if not pointer:
             raise LlamaCppError(f"llama.cpp could not load {path}: is it a GGUF file of a model llama.cpp supports?")

@@ -1,0 +1,304 @@
+"""The target's weight format: which GGUF variant of the user's file llama.cpp serves.
+
+On a CPU the weight format decides what a verified token costs, so it decides whether speculative
+decoding can pay (arXiv 2310.07177, section 3's cost model: a round costs one verification of
+``k + 1`` tokens plus ``k`` draft steps). ggml's CPU backend has batched (tinyBLAS) or repacked
+matrix kernels for Q8_0, F16, Q4_0, IQ4_NL and the K-quants, and none for Q4_1, the packaged
+default's format: there five verified tokens cost 3x one step, on Q8_0 about 2x
+(docs/cpu-speculation.md has the curves).
+
+- ``as-is``: serve the user's file (the default).
+- a format name (:data:`FORMATS`): serve a copy converted by llama.cpp's own quantiser
+  (``llama_model_quantize``), written under ``$ONLINESPEC_CACHE/formats/``, never beside the
+  user's file. Its quality is measured, not assumed: perplexity on held-out text
+  (:func:`quality_text`, the documentation of this machine's Python standard library) against the
+  user's file, and the copy is refused past :data:`MAX_PERPLEXITY_RISE`.
+- ``auto``: the format that serves fastest by the cost model, on cost curves measured on this
+  machine, at the acceptance the deployment measured (:func:`choose`); the user's file unless
+  another wins by :data:`MIN_GAIN`.
+
+Conversions, their perplexities and their curves are cached (a JSON beside each converted file),
+so a later start decides in milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AS_IS, AUTO = "as-is", "auto"
+# llama.cpp's llama_ftype ids (include/llama.h) of the formats worth serving on a CPU
+FORMATS = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_0": 2, "iq4_nl": 25}
+AUTO_CANDIDATES = ("q8_0", "f16")  # the formats that keep a 4-bit file's quality (requantising to 4 bits costs 17-20% perplexity)
+MAX_PERPLEXITY_RISE = 0.01  # a converted file may be at most 1% worse than the user's on the held-out text
+MIN_GAIN = 0.03  # auto leaves the user's file unless another format is expected this much faster
+QUALITY_TOKENS = 4096
+QUALITY_WINDOW = 512  # tokens per perplexity window (each scored from its second token)
+QUALITY_MODULES = ("json", "argparse", "collections", "logging", "pathlib", "subprocess", "textwrap", "heapq",
+                   "difflib", "csv", "tarfile", "zipfile", "pickle", "string", "calendar", "fractions", "shutil",
+                   "configparser", "email.message", "functools", "itertools", "re", "datetime", "decimal")
+
+
+class FormatError(ValueError):
+    """A format that cannot be served: unknown, not convertible here, or worse than allowed."""
+
+
+@dataclass
+class Variant:
+    """A converted copy of a GGUF file and what was measured of it."""
+
+    source: str
+    format: str
+    path: str
+    size: int
+    perplexity_source: float | None = None
+    perplexity: float | None = None
+    quality_tokens: int = 0
+    curves: dict[str, list[float]] = field(default_factory=dict)  # file name -> ms of a forward of 1..w tokens
+
+    @property
+    def perplexity_rise(self) -> float | None:
+        if self.perplexity is None or not self.perplexity_source:
+            return None
+        return self.perplexity / self.perplexity_source - 1
+
+
+def check_format(name: str) -> str:
+    name = name.lower().replace("-", "_") if name not in (AS_IS, AUTO) else name
+    if name not in (AS_IS, AUTO, *FORMATS):
+        raise FormatError(f"unknown target format {name!r}: use {AS_IS}, {AUTO} or one of {', '.join(FORMATS)}")
+    return name
+
+
+def variant_path(source: Path, fmt: str) -> Path:
+    """Where the ``fmt`` copy of ``source`` lives: the cache, under the source's identity."""
+    from onlinespec.models import cache_dir
+
+    source = Path(source).resolve()
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "formats" / f"{source.stem}-{key}" / f"{source.stem}.{fmt}.gguf"
+
+
+def convert(source: Path, fmt: str, threads: int | None = None) -> Path:
+    """``source`` converted to ``fmt`` by llama.cpp's quantiser (cached; atomic: a crash leaves no half file)."""
+    from onlinespec.decoding.runners.llamacpp import _bindings, cpu_threads
+
+    fmt = check_format(fmt)
+    if fmt not in FORMATS:
+        raise FormatError(f"{fmt} is not a format to convert to")
+    out = variant_path(source, fmt)
+    if out.exists():
+        return out
+    lib = _bindings()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = lib.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = FORMATS[fmt], True, threads or cpu_threads()
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    try:
+        started = time.perf_counter()
+        status = lib.llama_model_quantize(str(source).encode(), tmp.encode(), params)
+        if status != 0:
+            raise FormatError(f"llama.cpp could not convert {source.name} to {fmt} (status {status})")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+        log.info("converted %s to %s in %.1f s: %s", source.name, fmt, time.perf_counter() - started, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def quality_text(min_chars: int = 40_000) -> str:
+    """Held-out English documentation the target was not tuned on: the docstrings of this
+    machine's Python standard library modules :data:`QUALITY_MODULES` (and their classes), in order."""
+    import importlib
+
+    parts: list[str] = []
+    for name in QUALITY_MODULES:
+        module = importlib.import_module(name)
+        docs = [inspect.getdoc(module) or ""]
+        docs += [inspect.getdoc(obj) or "" for _, obj in sorted(vars(module).items())
+                 if inspect.isclass(obj) and obj.__module__ == module.__name__]
+        parts.extend(d for d in docs if len(d) > 200)
+        if sum(map(len, parts)) >= min_chars:
+            break
+    return "\n\n".join(parts)
+
+
+def perplexity(path: Path, text: str, tokens: int = QUALITY_TOKENS, window: int = QUALITY_WINDOW) -> tuple[float, int]:
+    """(perplexity, tokens scored) of the GGUF at ``path`` on the first ``tokens`` tokens of
+    ``text``, in windows of ``window`` tokens, each token scored given the window before it."""
+    import torch
+
+    from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner, _bindings
+
+    lib = _bindings()
+    model = LlamaCppModel.load(path)
+    ids = tokenize(lib, model, text)[:tokens]
+    if len(ids) < 2 * window:
+        raise FormatError(f"the quality text has {len(ids)} tokens: at least {2 * window} are needed")
+    runner = LlamaCppRunner(model, max_rows=1, context=window)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start: start + window]
+        if len(chunk) < 2:
+            break
+        row = object()
+        logits, _ = runner.forward_alone(row, chunk, len(chunk))
+        runner.release([row])
+        logprobs = torch.log_softmax(logits[:-1].float(), -1)
+        total -= logprobs.gather(1, torch.tensor(chunk[1:]).unsqueeze(1)).sum().item()
+        count += len(chunk) - 1
+    return math.exp(total / count), count
+
+
+def tokenize(lib, model, text: str) -> list[int]:
+    """``text`` as llama.cpp tokenizes it with ``model``'s vocabulary (no special tokens parsed)."""
+    import ctypes
+
+    vocab = lib.llama_model_get_vocab(model.pointer)
+    raw = text.encode()
+    buffer = (lib.llama_token * (len(raw) + 8))()
+    n = lib.llama_tokenize(vocab, raw, len(raw), buffer, len(buffer), True, False)
+    if n < 0:
+        raise FormatError("llama.cpp could not tokenize the quality text")
+    return list(buffer[:n]) if not isinstance(buffer, ctypes.Array) else [buffer[i] for i in range(n)]
+
+
+def measured_variant(source: Path, fmt: str, tokens: int = QUALITY_TOKENS) -> Variant:
+    """The ``fmt`` copy of ``source`` with its perplexity and the source's on ``tokens`` tokens
+    of :func:`quality_text` (cached beside it)."""
+    path = convert(source, fmt)
+    record = path.with_suffix(".json")
+    if record.exists():
+        try:
+            saved = Variant(**json.loads(record.read_text()))
+            if saved.perplexity is not None and saved.quality_tokens >= tokens - 1 - tokens // QUALITY_WINDOW:
+                return saved
+        except (OSError, ValueError, TypeError) as err:
+            log.warning("%s could not be read (%s): measuring again", record, err)
+    text = quality_text()
+    started = time.perf_counter()
+    source_ppl, scored = perplexity(Path(source), text, tokens)
+    ppl, _ = perplexity(path, text, tokens)
+    found = Variant(str(source), fmt, str(path), path.stat().st_size, source_ppl, ppl, scored)
+    log.info("%s: perplexity %.3f against %.3f as shipped (%+.2f%%, %d tokens, %.0f s)", path.name, ppl, source_ppl,
+             100 * found.perplexity_rise, scored, time.perf_counter() - started)
+    _save(record, found)
+    return found
+
+
+def _save(record: Path, found: Variant) -> None:
+    tmp = record.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(found), indent=1))
+    os.replace(tmp, record)
+
+
+def served_file(source: Path, fmt: str, acceptance: float | None = None, draft_ms: float | None = None,
+                quality_tokens: int = QUALITY_TOKENS) -> Path:
+    """The file llama.cpp serves for ``source`` under ``--target-format fmt`` (see the module
+    docstring); a converted copy whose perplexity rises past :data:`MAX_PERPLEXITY_RISE` is refused."""
+    fmt = check_format(fmt)
+    if fmt == AS_IS:
+        return Path(source)
+    if fmt == AUTO:
+        return choose(Path(source), acceptance, draft_ms).path
+    found = measured_variant(Path(source), fmt, quality_tokens)
+    if found.perplexity_rise > MAX_PERPLEXITY_RISE:
+        raise FormatError(f"{source} converted to {fmt} loses quality: perplexity {found.perplexity:.3f} against "
+                          f"{found.perplexity_source:.3f} as shipped ({100 * found.perplexity_rise:+.1f}%, the limit is "
+                          f"+{100 * MAX_PERPLEXITY_RISE:.0f}%): serve it as-is, or choose q8_0 or f16")
+    return Path(found.path)
+
+
+@dataclass
+class Choice:
+    """What ``auto`` chose, and why: expected ms per token of each candidate at the acceptance."""
+
+    path: Path
+    format: str
+    acceptance: float | None
+    ms_per_token: dict[str, float]
+    perplexity_rise: dict[str, float]
+
+
+def choose(source: Path, acceptance: float | None, draft_ms: float | None, candidates=AUTO_CANDIDATES) -> Choice:
+    """The format among ``candidates`` (and the user's file) whose measured curve gives the fewest
+    milliseconds per token by the cost model at ``acceptance`` with ``draft_ms`` per drafted token,
+    among those within the quality limit. No measured acceptance: the user's file (a converted
+    file is slower when speculation earns little)."""
+    if acceptance is None:
+        log.info("--target-format auto: no measured acceptance yet, serving %s as it is", source.name)
+        return Choice(source, AS_IS, None, {}, {})
+    curves = {AS_IS: (source, cost_curve_ms(source))}
+    rises = {}
+    for fmt in candidates:
+        found = measured_variant(source, fmt)
+        rises[fmt] = found.perplexity_rise
+        if found.perplexity_rise <= MAX_PERPLEXITY_RISE:
+            curves[fmt] = (Path(found.path), cost_curve_ms(Path(found.path)))
+    costs = {fmt: ms_per_token(curve, acceptance, draft_ms or 0.0) for fmt, (_, curve) in curves.items()}
+    best = min(costs, key=costs.get)
+    if best != AS_IS and costs[best] > (1 - MIN_GAIN) * costs[AS_IS]:
+        best = AS_IS
+    log.info("--target-format auto at acceptance %.2f: %s (ms per token %s)", acceptance, best,
+             {k: round(v, 2) for k, v in costs.items()})
+    return Choice(curves[best][0], best, acceptance, costs, rises)
+
+
+def ms_per_token(curve: list[float], acceptance: float, draft_ms: float) -> float:
+    """Expected ms per token with the best k on ``curve`` (ms of a forward of 1..w tokens), k = 0
+    being the target alone: (verify(k + 1) + k draft_ms) / E(acceptance, k)."""
+    from onlinespec.costmodel import expected_tokens_per_round
+
+    options = [curve[0]]
+    for k in range(1, len(curve)):
+        options.append((curve[k] + k * draft_ms) / expected_tokens_per_round(min(acceptance, 0.999), k))
+    return min(options)
+
+
+def cost_curve_ms(path: Path, max_width: int = 8, context: int = 128, reps: int = 5) -> list[float]:
+    """Milliseconds of the engine's forward of 1..``max_width`` tokens on ``path`` after ``context``
+    tokens, as the engine runs it (all rows' logits and features), one request (cached beside the file)."""
+    from onlinespec.decoding.calibrate import forward_costs
+    from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner, cpu_threads
+
+    record = _curve_record(path)
+    key = f"{path.name}|{path.stat().st_size}|w{max_width}|c{context}|t{cpu_threads()}"
+    saved = json.loads(record.read_text()) if record.exists() else {}
+    if key not in saved:
+        runner = LlamaCppRunner(LlamaCppModel.load(path), max_rows=1, context=context + max_width + 8)
+        saved[key] = [round(1000 * s, 3) for s in forward_costs(runner, max_width, context, reps)]
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        os.replace(tmp, record)
+    return saved[key]
+
+
+def _curve_record(path: Path) -> Path:
+    from onlinespec.models import cache_dir
+
+    digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "formats" / "curves" / f"{Path(path).stem}-{digest}.json"
+
+
+def remove_variants(source: Path) -> int:
+    """Delete every converted copy of ``source`` (``onlinespec convert --clean``); how many files went."""
+    folder = variant_path(source, "q8_0").parent
+    count = len(list(folder.glob("*"))) if folder.exists() else 0
+    shutil.rmtree(folder, ignore_errors=True)
+    return count
