@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,15 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from onlinespec.benchmark import divergence_gap, machine_info  # noqa: E402
-from onlinespec.data import read_queries_jsonl  # noqa: E402
-from onlinespec.decoding.runners.llamacpp import cpu_threads  # noqa: E402
-from onlinespec.decoding.sampling import SamplingParams  # noqa: E402
-from onlinespec.factory import engine_options, make_proposer, new_decoder  # noqa: E402
-from onlinespec.models import load_target  # noqa: E402
+from onlinespec.baselines import PlainLlamaCpp
+from onlinespec.benchmark import divergence_gap, machine_info
+from onlinespec.data import read_queries_jsonl
+from onlinespec.decoding.runners.llamacpp import cpu_threads
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.factory import engine_options, make_proposer, new_decoder
+from onlinespec.models import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "backends"
@@ -49,13 +49,7 @@ DOCS = ROOT / "docs" / "results"
 
 
 def llama_cpp_python(gguf: Path, lookup: int | None):
-    import llama_cpp
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
-    return llama_cpp.Llama(str(gguf), n_ctx=4096, n_batch=512, n_threads=cpu_threads(), n_threads_batch=cpu_threads(),
-                           draft_model=draft, verbose=False)
+    return PlainLlamaCpp(gguf, lookup).llama
 
 
 def run_plain(llama, ids: list[int], max_tokens: int) -> tuple[str, int, float]:

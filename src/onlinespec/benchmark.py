@@ -16,19 +16,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from transformers.utils import logging as hf_logging
 
+from onlinespec.baselines import HFAssisted, PlainLlamaCpp
 from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query
 from onlinespec.decoding import kernels
 from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation
-from onlinespec.factory import DEFAULT_DRAFT, DraftChoice, engine_options, make_proposer, new_decoder
+from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer, new_decoder
 from onlinespec.metrics import median_ratio, percentile
 from onlinespec.models import LoadedModel, load_target
 
-METHODS = ("target_alone", "speculative", "hf_assisted")
+METHODS = ("target_alone", "speculative", "hf_assisted", "llama_cpp")  # llama_cpp: plain llama.cpp on the file as shipped
 # Greedy outputs may differ only where the target's top two logits are this close: verifying
 # k + 1 tokens in one pass and one token per pass round differently in the last bits.
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.15, "gguf": 0.25}  # gguf: llama.cpp's quantised kernels
@@ -47,10 +47,12 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    hf_assisted: bool = True
+    hf_assisted: bool = True  # torch targets: also Hugging Face assisted generation
     pad_verify: bool = True  # pad verification blocks to the widths this CPU runs fastest
     adaptive_k: bool = True  # per step, verify only the proposals the cost model says pay
     small_batch_kernels: bool = True  # W @ X^T for 2-16 rows if measured faster (target alone runs them too)
+    llama_cpp: bool = True  # llama.cpp targets: also plain llama.cpp on the file as shipped (greedy only)
+    target_format: str = "as-is"  # llama.cpp: the weight format onlinespec serves (onlinespec.formats)
 
 
 @dataclass
@@ -76,16 +78,20 @@ def run_bench(
     ``target``: the already loaded ``config.target``, to share one model across runs."""
     if not queries:
         raise ValueError("no prompts to benchmark")
-    target = target or load_target(config.target, config.dtype, config.backend, config.device)
+    target = target or load_target(config.target, config.dtype, config.backend, config.device, target_format=config.target_format)
     config = resolved(config, target)
     choice = make_proposer(config.draft, target, config.dtype)
     if choice.proposer is None:
         raise ValueError("benchmark needs a draft: 'none' leaves nothing to compare")
     options = engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k, kernels=config.small_batch_kernels)
     decoders = {"target_alone": new_decoder(target, None, 0), "speculative": new_decoder(target, choice.proposer, config.k, options)}
-    hf = HFAssisted(target, choice, config.k) if config.hf_assisted and target.backend == "torch" else None
-    methods = [m for m in METHODS if m != "hf_assisted" or hf]
-    _warm_up(decoders, hf, queries[0])
+    baselines = {}
+    if config.hf_assisted and target.backend == "torch":
+        baselines["hf_assisted"] = HFAssisted(target, choice, config.k)
+    if config.llama_cpp and target.backend == "llama.cpp" and config.temperature == 0:
+        baselines["llama_cpp"] = PlainLlamaCpp(target.gguf_source or target.gguf)
+    methods = [m for m in METHODS if m in decoders or m in baselines]
+    _warm_up(decoders, baselines, queries[0])
 
     results, runs = [], {"target_alone": [], "speculative": []}
     for i, query in enumerate(queries):
@@ -93,8 +99,8 @@ def run_bench(
         prompt = list(query.messages) if query.messages else query.prompt
         outputs: dict[str, Generation | tuple[list[int], float]] = {}
         for method in methods[i % len(methods):] + methods[: i % len(methods)]:
-            if method == "hf_assisted":
-                outputs[method] = hf.generate(decoders["target_alone"].encode(prompt), params)
+            if method in baselines:
+                outputs[method] = baselines[method].generate(decoders["target_alone"].encode(prompt), params)
             else:
                 outputs[method] = decoders[method].generate(prompt, params)
         result = _prompt_result(query, outputs, params, target)
@@ -103,7 +109,11 @@ def run_bench(
         results.append(result)
         if on_prompt:
             on_prompt(i, result)
-    return summarize(results, runs, config, kernels.enabled(target.model))
+    summary = summarize(results, runs, config, kernels.enabled(target.model))
+    summary["target_file"] = str(target.gguf) if target.gguf else config.target  # the weights onlinespec served
+    if "llama_cpp" in baselines:
+        summary["llama_cpp_file"] = str(baselines["llama_cpp"].gguf)
+    return summary
 
 
 def resolved(config: BenchConfig, target: LoadedModel) -> BenchConfig:
@@ -126,13 +136,13 @@ def _params(config: BenchConfig, query: Query, seed: int) -> SamplingParams:
     )
 
 
-def _warm_up(decoders: dict, hf: HFAssisted | None, query: Query) -> None:
+def _warm_up(decoders: dict, baselines: dict, query: Query) -> None:
     prompt = list(query.messages) if query.messages else query.prompt
     params = SamplingParams(max_new_tokens=8)
     for decoder in decoders.values():
         decoder.generate(prompt, params)
-    if hf:
-        hf.generate(decoders["target_alone"].encode(prompt), params)
+    for baseline in baselines.values():
+        baseline.generate(decoders["target_alone"].encode(prompt), params)
 
 
 def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: LoadedModel) -> PromptResult:
@@ -162,45 +172,6 @@ def divergence_gap(target: LoadedModel, prompt_ids: list[int], a: list[int], b: 
     runner.release([row])
     top = logits[-1].topk(2).values
     return float(top[0] - top[1])
-
-
-class HFAssisted:
-    """Hugging Face assisted generation with the same draft and a constant k (no heuristics)."""
-
-    def __init__(self, target: LoadedModel, choice: DraftChoice, k: int) -> None:
-        self.target = target
-        self.kwargs: dict = {}
-        if choice.model is None:  # n-gram: HF's prompt lookup decoding
-            self.kwargs = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}
-        else:
-            draft = choice.model.model
-            draft.generation_config = target.model.generation_config.__class__.from_dict(
-                target.model.generation_config.to_dict()
-            )
-            draft.generation_config.num_assistant_tokens = k
-            draft.generation_config.num_assistant_tokens_schedule = "constant"
-            draft.generation_config.assistant_confidence_threshold = 0.0
-            self.kwargs = {"assistant_model": draft}
-
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], float]:
-        ids = torch.tensor([prompt_ids])
-        sampling = {"do_sample": False}
-        if not params.greedy:
-            torch.manual_seed(params.seed or 0)
-            sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
-        hf_logging.set_verbosity_error()  # HF warns about its own internal generation_config use
-        start = time.perf_counter()
-        out = self.target.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=params.max_new_tokens,
-            pad_token_id=self.target.tokenizer.eos_token_id,
-            **sampling,
-            **self.kwargs,
-        )
-        seconds = time.perf_counter() - start
-        return out[0, len(prompt_ids):].tolist(), seconds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,6 +226,10 @@ def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchCo
         out["speedup_vs_hf"] = out["speculative"]["tokens_per_s"] / out["hf_assisted"]["tokens_per_s"]
         out["median_speedup_vs_hf"] = _median_ratio(results, "speculative", "hf_assisted")
         out["hf_speedup_vs_target"] = out["hf_assisted"]["tokens_per_s"] / out["target_alone"]["tokens_per_s"]
+    if "llama_cpp" in out:  # against what a llama.cpp user runs on the file as shipped
+        out["speedup_vs_llama_cpp"] = out["speculative"]["tokens_per_s"] / out["llama_cpp"]["tokens_per_s"]
+        out["median_speedup_vs_llama_cpp"] = _median_ratio(results, "speculative", "llama_cpp")
+        out["target_alone_vs_llama_cpp"] = out["target_alone"]["tokens_per_s"] / out["llama_cpp"]["tokens_per_s"]
     cost = _cost_estimate(runs, config.k)
     if cost is not None:
         out["cost_model"] = {
@@ -263,7 +238,26 @@ def _figures(results: list[PromptResult], runs: dict[str, list], config: BenchCo
             "paper_predicted_speedup": cost.paper_predicted_speedup,
         }
         out["predicted_speedup"] = cost.predicted_speedup
+        out["cost_model"]["c_by_drafter"] = draft_cost_by_drafter(runs)
     return out
+
+
+def draft_cost_by_drafter(runs: dict[str, list]) -> dict[str, float]:
+    """c per drafter (``Proposal.drafter``: ngram, suffix, head, ...): the draft seconds of the
+    rounds it proposed in, per token it proposed, over one step of the target alone; from rounds
+    verified alone (batch 1), where a step's draft call is that round's."""
+    ar_steps = [t.target_seconds for s in runs["target_alone"] for t in s.timings[1:]]
+    if not ar_steps:
+        return {}
+    step = statistics.fmean(ar_steps)
+    seconds: dict[str, float] = {}
+    proposed: dict[str, int] = {}
+    for stats in runs["speculative"]:
+        for t in stats.timings[1:]:
+            if t.proposed and t.batch == 1 and t.drafter:
+                seconds[t.drafter] = seconds.get(t.drafter, 0.0) + t.draft_seconds
+                proposed[t.drafter] = proposed.get(t.drafter, 0) + t.proposed
+    return {d: seconds[d] / proposed[d] / step for d in sorted(seconds)}
 
 
 def _step_acceptance(stats: list) -> list[float]:
@@ -275,7 +269,7 @@ def _step_acceptance(stats: list) -> list[float]:
 
 
 def _median_ratio(results: list[PromptResult], a: str, b: str) -> float:
-    rate = lambda r, m: r.new_tokens[m] / r.seconds[m]  # noqa: E731
+    rate = lambda r, m: r.new_tokens[m] / r.seconds[m]
     return median_ratio([(rate(r, a), rate(r, b)) for r in results])
 
 
@@ -303,7 +297,7 @@ def _cost_estimate(runs: dict[str, list], k: int):
 
 def machine_info() -> dict:
     return {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -332,7 +326,7 @@ def run_concurrency_bench(
     measured one (:func:`predicted_speedup`)."""
     if not queries or not levels or min(levels) < 1:
         raise ValueError("need queries and concurrency levels >= 1")
-    target = target or load_target(config.target, config.dtype, config.backend, config.device)
+    target = target or load_target(config.target, config.dtype, config.backend, config.device, target_format=config.target_format)
     config = resolved(config, target)
     choice = make_proposer(config.draft, target, config.dtype)
     options = engine_options(target, config.k, pad=config.pad_verify, adaptive=config.adaptive_k,

@@ -42,6 +42,7 @@ AS_IS, AUTO = "as-is", "auto"
 FORMATS = {"f16": 1, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_0": 2, "iq4_nl": 25}
 AUTO_CANDIDATES = ("q8_0", "f16")  # the formats that keep a 4-bit file's quality (requantising to 4 bits costs 17-20% perplexity)
 MAX_PERPLEXITY_RISE = 0.01  # a converted file may be at most 1% worse than the user's on the held-out text
+DEFAULT_C = 0.1  # auto without a measured draft cost: draft time per drafted token over one step of the file as it is
 MIN_GAIN = 0.03  # auto leaves the user's file unless another format is expected this much faster
 QUALITY_TOKENS = 4096
 QUALITY_WINDOW = 512  # tokens per perplexity window (each scored from its second token)
@@ -250,7 +251,9 @@ def choose(source: Path, acceptance: float | None, draft_ms: float | None, candi
         rises[fmt] = found.perplexity_rise
         if found.perplexity_rise <= MAX_PERPLEXITY_RISE:
             curves[fmt] = (Path(found.path), cost_curve_ms(Path(found.path)))
-    costs = {fmt: ms_per_token(curve, acceptance, draft_ms or 0.0) for fmt, (_, curve) in curves.items()}
+    if draft_ms is None:  # a draft that costs DEFAULT_C of a step of the file as it is
+        draft_ms = DEFAULT_C * curves[AS_IS][1][0]
+    costs = {fmt: ms_per_token(curve, acceptance, draft_ms) for fmt, (_, curve) in curves.items()}
     best = min(costs, key=costs.get)
     if best != AS_IS and costs[best] > (1 - MIN_GAIN) * costs[AS_IS]:
         best = AS_IS

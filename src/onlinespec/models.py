@@ -64,7 +64,8 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     name: str
     backend: str = "torch"
-    gguf: Path | None = None  # the GGUF file the model came from, if any
+    gguf: Path | None = None  # the GGUF file llama.cpp serves, if any (a converted copy: onlinespec.formats)
+    gguf_source: Path | None = None  # the GGUF file the user gave (the same as gguf unless converted)
     llama: object = None  # a LlamaCppModel when backend == "llama.cpp"
 
     @property
@@ -151,11 +152,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = "auto", device: str = "auto",
-                target_format: str = "as-is", n_gpu_layers: int = 0) -> LoadedModel:
+                target_format: str = "as-is", n_gpu_layers: int = 0, expected_acceptance: float | None = None) -> LoadedModel:
     """Load a target to serve, on the backend and device asked for (``auto``: llama.cpp for a GGUF
     file on the CPU, else torch; :mod:`onlinespec.backends`). On llama.cpp, ``target_format``
     picks the weight format served (:mod:`onlinespec.formats`: the file as it is, a converted copy
-    in the cache, or ``auto``) and ``n_gpu_layers`` how many layers a GPU build of llama.cpp offloads."""
+    in the cache, or ``auto`` at ``expected_acceptance``) and ``n_gpu_layers`` how many layers a GPU build of llama.cpp offloads."""
     from onlinespec.backends import resolve_backend, resolve_device, resolve_dtype_name
 
     device = resolve_device(device)
@@ -163,15 +164,14 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
     gguf = gguf if gguf.suffix == ".gguf" else None
     backend = resolve_backend(backend, gguf is not None, device)
     loaded = load_model(spec, resolve_dtype_name(dtype, device))
-    loaded.backend, loaded.gguf = backend, gguf
+    loaded.backend, loaded.gguf, loaded.gguf_source = backend, gguf, gguf
     if device != "cpu":
         loaded.model.to(device)
     if backend == "llama.cpp":
         from onlinespec.decoding.runners.llamacpp import LlamaCppModel
-
         from onlinespec.formats import served_file
 
-        loaded.gguf = served_file(gguf, target_format)
+        loaded.gguf_source, loaded.gguf = gguf, served_file(gguf, target_format, acceptance=expected_acceptance)
         loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
     elif target_format != "as-is":
         raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "

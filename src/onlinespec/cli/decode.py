@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from onlinespec.benchmark import BenchConfig
-from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, DtypeOpt, KOpt, TargetOpt, app, console, out, sampling_params, user_errors
+from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, DtypeOpt, KOpt, TargetFormatOpt, TargetOpt, app, console, out, sampling_params, user_errors
 from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.feature_head import CHAIN_DEPTH, HEAD_VOCAB
 from onlinespec.factory import DEFAULT_DRAFT
@@ -33,8 +33,8 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     top_k: Annotated[int, typer.Option(min=0)] = 0,
-    seed: Optional[int] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="print per-request statistics to stderr")] = False,
 ) -> None:
     """Generate text for one prompt, streaming it to stdout."""
@@ -78,7 +78,9 @@ def bench(
     pad_verify: Annotated[bool, typer.Option("--pad-verify/--no-pad-verify", help="pad verification blocks to the widths this CPU runs fastest")] = BenchConfig.pad_verify,
     adaptive_k: Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per step, verify only the proposals the cost model says pay")] = BenchConfig.adaptive_k,
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels for the target, if measured faster (all methods run them)")] = BenchConfig.small_batch_kernels,
-    concurrency: Annotated[Optional[str], typer.Option(help="comma-separated levels, e.g. 1,2,4,8: serve the prompts with that many in flight (batched), target alone vs speculative; writes a PNG beside the JSON")] = None,
+    llama_cpp: Annotated[bool, typer.Option("--llama-cpp/--no-llama-cpp", help="llama.cpp targets: also plain llama.cpp (llama-cpp-python's own generation) on the file as given, greedy")] = BenchConfig.llama_cpp,
+    target_format: TargetFormatOpt = BenchConfig.target_format,
+    concurrency: Annotated[str | None, typer.Option(help="comma-separated levels, e.g. 1,2,4,8: serve the prompts with that many in flight (batched), target alone vs speculative; writes a PNG beside the JSON")] = None,
 ) -> None:
     """Target alone vs our speculative decoding vs HF assisted generation, side by side
     (``--concurrency``: both batched, at each number of requests in flight)."""
@@ -88,7 +90,7 @@ def bench(
     levels = user_errors(lambda: _levels(concurrency)) if concurrency else None
     queries = user_errors(lambda: read_queries_jsonl(prompts))
     config = BenchConfig(target, draft, k, dtype, backend, device, max_new_tokens, temperature, top_p, top_k, seed, hf, pad_verify,
-                         adaptive_k, kernels)
+                         adaptive_k, kernels, llama_cpp=llama_cpp, target_format=target_format)
     summary = _run_concurrency_bench(queries, config, levels) if levels else _run_bench(queries, config)
     summary["command"] = command_line(sys.argv[1:])
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,7 @@ def distill(
     domain: Annotated[str, typer.Option(help="chat, code or math: the domain to specialise on")],
     signal: Annotated[str, typer.Option(help="teacher, student, mixed or fixed")] = "teacher",
     loss: Annotated[str, typer.Option(help="fkl, rkl, jsd or tvd")] = "fkl",
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="also save the distilled head here")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="also save the distilled head here")] = None,
     target: TargetOpt = "default",
     dtype: DtypeOpt = "bfloat16",
     queries: Annotated[int, typer.Option(min=1, help="warm-up queries of the domain to learn from")] = 200,
@@ -247,8 +249,8 @@ def print_concurrency(summary: dict) -> None:
 
 def print_bench(summary: dict) -> None:
     table = Table(title=f"{summary['n_prompts']} prompts, draft {summary['draft']}, k = {summary['k']}")
-    for col in ("domain", "n", "target alone tok/s", "ours tok/s", "HF assisted tok/s", "alpha", "tau",
-                "ours/target", "ours/HF", "predicted", "greedy identical"):
+    for col in ("domain", "n", "target alone tok/s", "ours tok/s", "HF assisted tok/s", "llama.cpp tok/s", "alpha", "tau",
+                "ours/target", "ours/HF", "ours/llama.cpp", "predicted", "greedy identical"):
         table.add_column(col, justify="right")
     rows = [("all", summary)] + list(summary["domains"].items())
     for name, fig in rows:
@@ -260,10 +262,12 @@ def print_bench(summary: dict) -> None:
             f"{fig['target_alone']['tokens_per_s']:.1f}",
             f"{spec['tokens_per_s']:.1f}",
             f"{hf:.1f}" if hf else "-",
+            f"{fig['llama_cpp']['tokens_per_s']:.1f}" if "llama_cpp" in fig else "-",
             f"{spec['acceptance_rate']:.3f}",
             f"{spec['mean_accepted_length']:.2f}",
             f"{fig['speedup_vs_target']:.2f}x",
             f"{fig['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in fig else "-",
+            f"{fig['speedup_vs_llama_cpp']:.2f}x" if "speedup_vs_llama_cpp" in fig else "-",
             f"{fig['predicted_speedup']:.2f}x" if "predicted_speedup" in fig else "-",
             f"{spec.get('greedy_identical', '-')}/{fig['n_prompts']}" if "greedy_identical" in spec else "-",
         )
@@ -275,3 +279,6 @@ def print_bench(summary: dict) -> None:
             f"predicted {cost['predicted_speedup']:.2f}x (paper's formula, verify = 1: {cost['paper_predicted_speedup']:.2f}x); "
             f"engine overhead {summary['speculative']['engine_overhead_fraction']:.1%} of request time"
         )
+        if cost.get("c_by_drafter"):
+            out.print("c by drafter (draft time per drafted token / one target step): "
+                      + ", ".join(f"{d} {c:.3f}" for d, c in cost["c_by_drafter"].items()))

@@ -37,6 +37,9 @@ CORE_OPTIONS: dict[str, tuple] = {
     "backend": (BackendOpt, CoreConfig.backend),
     "device": (DeviceOpt, CoreConfig.device),
     "target_format": (TargetFormatOpt, CoreConfig.target_format),
+    "expected_acceptance": (Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="--target-format auto: the acceptance this deployment's traffic reaches "
+                                                                         "(vllm:spec_decode_num_accepted_tokens / num_draft_tokens, or bench's); without it auto serves the file as it is")],
+                            CoreConfig.expected_acceptance),
     "n_gpu_layers": (NglOpt, CoreConfig.n_gpu_layers),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
     "head_updates": (Annotated[bool, typer.Option("--head-updates/--no-head-updates", help="learning trains the learned draft too, or only the suffix index")], CoreConfig.head_updates),
@@ -99,7 +102,7 @@ def _core_config(o: dict) -> CoreConfig:
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
-    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
                                          "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],

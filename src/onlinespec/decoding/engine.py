@@ -234,7 +234,7 @@ class SpeculativeEngine:
         report.target_seconds = time.perf_counter() - tick
         kept = []
         for b, (r, proposal) in enumerate(zip(decoding, proposals)):
-            timing = RoundTiming(len(proposal), report.draft_seconds, report.target_seconds, len(decoding))
+            timing = RoundTiming(len(proposal), report.draft_seconds, report.target_seconds, len(decoding), proposal.drafter)
             try:
                 n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
             except Exception as err:  # this row's verification: it fails alone, released at the end of the step
@@ -294,7 +294,7 @@ class SpeculativeEngine:
         report.prefill_seconds += seconds
         report.prefill_tokens += len(rest)
         r.prefilled = cached
-        return self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), report.draft_seconds, seconds, 1))
+        return self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), report.draft_seconds, seconds, 1, proposal.drafter))
 
     @staticmethod
     def _failed(r: RequestState, err: Exception, report: StepReport) -> None:

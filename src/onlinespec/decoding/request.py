@@ -55,6 +55,7 @@ class RoundTiming:
     draft_seconds: float  # the draft call of the step this round was in
     target_seconds: float  # the target forward this round was in (round 0: prefill + first verification)
     batch: int = 1  # requests verified in that forward
+    drafter: str = ""  # who proposed this round's tokens (Proposal.drafter: ngram, suffix, head, ...)
 
 
 @dataclass

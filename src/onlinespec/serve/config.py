@@ -23,6 +23,7 @@ class CoreConfig:
     backend: str = "auto"  # what runs the target: llama.cpp for a GGUF file on a CPU, else torch (onlinespec.backends)
     device: str = "auto"  # torch backend: cuda when torch sees one, else cpu
     target_format: str = "as-is"  # llama.cpp: the weight format served (onlinespec.formats: as-is, auto, q8_0, f16, ...)
+    expected_acceptance: float | None = None  # target_format auto: the acceptance this deployment measured (None: as-is)
     n_gpu_layers: int = 0  # llama.cpp: layers a GPU build offloads (-ngl; -1: all)
     learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
     head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)

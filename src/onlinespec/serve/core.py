@@ -152,7 +152,8 @@ class ServingCore:
         self.status = "loading"
         if self.target is None:
             self.target = load_target(config.target, config.dtype, config.backend, config.device,
-                                      target_format=config.target_format, n_gpu_layers=config.n_gpu_layers)
+                                      target_format=config.target_format, n_gpu_layers=config.n_gpu_layers,
+                                      expected_acceptance=config.expected_acceptance)
         model, tokenizer = self.target.model, self.target.tokenizer
         if config.chat_template is not None:  # --chat-template: it renders every chat request's messages
             tokenizer.chat_template = config.chat_template

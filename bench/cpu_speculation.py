@@ -1,0 +1,184 @@
+"""Does speculation pay on this CPU? onlinespec on the shipped and converted weights against plain llama.cpp.
+
+On held-out packaged prompts (the `heldout` split: 20 chat, 20 code, 20 maths by default), and
+optionally standard-library documentation to summarise (answers that quote their prompt), greedy,
+batch 1, interleaved prompt by prompt with the order rotated (this machine's speed drifts):
+
+- `llama.cpp Q4_1`: llama-cpp-python's own generation on the shipped file (what a user runs);
+- `llama.cpp <fmt>`: the same on the converted file (the same-file baseline);
+- `alone <fmt>` / `default <fmt>` / `lookup <fmt>`: onlinespec's engine with no draft, with the
+  default hybrid draft (lookups, suffix index, the head where they find nothing), and with the
+  model-free drafters alone, with adaptive k on the curve measured on that file.
+
+Greedy identity is checked against `alone` on the same file (a divergence's top-2 logit gap is
+reported). Ratios are pooled tokens/s and per domain, against `llama.cpp Q4_1`.
+
+    python bench/cpu_speculation.py                        # 60 prompts, q8_0 beside the shipped file (~10 min)
+    python bench/cpu_speculation.py --formats as-is,q8_0,f16 --summaries 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from onlinespec.baselines import PlainLlamaCpp
+from onlinespec.benchmark import divergence_gap, machine_info
+from onlinespec.data import read_queries_jsonl
+from onlinespec.data.sources import long_prompts
+from onlinespec.decoding.runners.llamacpp import cpu_threads
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.factory import engine_options, make_proposer, new_decoder
+from onlinespec.models import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "cpu_speculation"
+RESULTS = ROOT / "docs" / "results"
+BASE = "llama.cpp Q4_1"
+
+
+def queries(args):
+    prompts = RUNS / "heldout.jsonl"
+    subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
+                    "--split", "heldout"], check=True)
+    found = read_queries_jsonl(prompts)
+    if args.summaries:
+        found += [q for q in long_prompts(2 * args.summaries) if q.domain == "docs"][: args.summaries]
+    return found
+
+
+def methods(fmt: str, proposers: list[str]):
+    """(label, decoder or llama) per method on one weight format."""
+    target = load_target("default", backend="llama.cpp", target_format=fmt)
+    tag = "Q4_1" if fmt == "as-is" else fmt
+    found = {f"alone {tag}": new_decoder(target, None, 0)}
+    for name in proposers:
+        proposer = make_proposer(name, target).proposer
+        label = {"hybrid": "default", "suffix": "lookup"}.get(name, name)
+        found[f"{label} {tag}"] = new_decoder(target, proposer, 4, engine_options(target, 4, adaptive=True))
+    if fmt != "as-is":
+        found[f"llama.cpp {tag}"] = PlainLlamaCpp(target.gguf)
+    return target, found
+
+
+def run_one(method, runner, ids, tokens):
+    if isinstance(runner, PlainLlamaCpp):
+        out, seconds = runner.generate(ids, SamplingParams(max_new_tokens=tokens))
+        return {"tokens": len(out), "seconds": seconds, "ids": out}
+    g = runner.generate(ids, SamplingParams(max_new_tokens=tokens))
+    return {"tokens": len(g.token_ids), "seconds": g.stats.seconds, "text": g.text, "ids": g.token_ids,
+            "acceptance": g.stats.acceptance_rate, "proposed": g.stats.proposed}
+
+
+def measure(found_queries, args) -> dict:
+    runners, targets = {}, {}
+    for fmt in args.formats.split(","):
+        target, found = methods(fmt, args.proposers.split(","))
+        targets.update({m: target for m in found})
+        runners.update(found)
+    shipped = next(t for m, t in targets.items() if m.endswith("Q4_1")) if any(m.endswith("Q4_1") for m in targets) else None
+    runners = {BASE: PlainLlamaCpp(shipped.gguf if shipped else load_target("default", backend="llama.cpp").gguf), **runners}
+    encode = next(r for r in runners.values() if hasattr(r, "encode")).encode
+    prompts = [encode(list(q.messages) if q.messages else q.prompt) for q in found_queries]
+    for ids in prompts[:2]:  # warm-up
+        for method, runner in runners.items():
+            run_one(method, runner, ids, 8)
+    names, rows = list(runners), []
+    for i, ids in enumerate(prompts):
+        q = found_queries[i]
+        row = {"id": q.id, "domain": q.domain, "prompt_tokens": len(ids)}
+        for method in names[i % len(names):] + names[: i % len(names)]:
+            row[method] = run_one(method, runners[method], ids, args.max_new_tokens)
+        for method in names:
+            if "acceptance" in row[method]:
+                alone = f"alone {method.split(' ', 1)[1]}"
+                row[method]["identical"] = row[method]["ids"] == row[alone]["ids"]
+                if not row[method]["identical"]:
+                    row[method]["gap"] = divergence_gap(targets[method], ids, row[alone]["ids"], row[method]["ids"])
+        rows.append(row)
+        print(f"[{i + 1}/{len(prompts)}] {q.domain:5} " + "  ".join(f"{m}: {row[m]['tokens'] / row[m]['seconds']:.0f}" for m in names), flush=True)
+    return {"command": " ".join(["python", "bench/cpu_speculation.py", *sys.argv[1:]]), "machine": machine_info(),
+            "threads": cpu_threads(), "max_new_tokens": args.max_new_tokens, "n_prompts": len(rows),
+            "target_files": {m: str(t.gguf) for m, t in targets.items()}, "summary": summarize(rows, names), "rows": rows}
+
+
+def summarize(rows, names) -> dict:
+    def rate(subset, method):
+        return sum(r[method]["tokens"] for r in subset) / sum(r[method]["seconds"] for r in subset)
+
+    domains = sorted({r["domain"] for r in rows})
+    summary = {}
+    for method in names:
+        entry = {"tokens_per_s": rate(rows, method), "ratio": rate(rows, method) / rate(rows, BASE),
+                 "median_ratio": statistics.median(r[method]["tokens"] / r[method]["seconds"] / (r[BASE]["tokens"] / r[BASE]["seconds"]) for r in rows),
+                 "by_domain": {d: rate([r for r in rows if r["domain"] == d], method) / rate([r for r in rows if r["domain"] == d], BASE) for d in domains}}
+        if "identical" in rows[0][method]:
+            entry["identical_to_alone"] = sum(r[method]["identical"] for r in rows)
+            entry["divergence_gaps"] = [round(r[method]["gap"], 4) for r in rows if "gap" in r[method]]
+        if "acceptance" in rows[0][method]:
+            entry["acceptance"] = {d: statistics.mean(r[method]["acceptance"] for r in rows if r["domain"] == d) for d in domains}
+            entry["proposed_per_token"] = sum(r[method]["proposed"] for r in rows) / sum(r[method]["tokens"] for r in rows)
+        summary[method] = entry
+    return summary
+
+
+def report(result: dict) -> str:
+    domains = list(next(iter(result["summary"].values()))["by_domain"])
+    lines = [f"| method | tokens/s | / {BASE} | median per prompt | " + " | ".join(domains) + " | identical to alone |",
+             "|---|---|---|---|" + "---|" * len(domains) + "---|"]
+    for method, e in result["summary"].items():
+        ident = f"{e['identical_to_alone']}/{result['n_prompts']}" if "identical_to_alone" in e else ""
+        lines.append(f"| {method} | {e['tokens_per_s']:.1f} | {e['ratio']:.3f}x | {e['median_ratio']:.3f}x | "
+                     + " | ".join(f"{e['by_domain'][d]:.3f}x" for d in domains) + f" | {ident} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    domains = list(next(iter(summary.values()))["by_domain"])
+    names = [m for m in summary if m != BASE]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, method in enumerate(names):
+        ax.bar([d + i * width for d in range(len(domains))], [summary[method]["by_domain"][d] for d in domains], width, label=method)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([d + 0.4 - width / 2 for d in range(len(domains))], domains)
+    ax.set_ylabel(f"tokens/s / {BASE} (plain llama.cpp, shipped file)")
+    ax.set_title(f"SmolLM2-135M, batch 1, greedy, {result['max_new_tokens']} tokens, {result['machine']['date']}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=60, help="held-out packaged prompts (chat, code, maths in turn)")
+    parser.add_argument("--summaries", type=int, default=0, help="also this many documentation-summary prompts (domain docs)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--formats", default="as-is,q8_0", help="weight formats onlinespec serves (onlinespec.formats)")
+    parser.add_argument("--proposers", default="hybrid,suffix", help="drafts to run on each format (factory names)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu-speculation.json")
+    args = parser.parse_args()
+    RUNS.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    result = measure(queries(args), args)
+    result["seconds"] = round(time.time() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    print(report(result))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
