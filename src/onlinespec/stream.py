@@ -107,8 +107,8 @@ class CoreClient:
     def serve(self, query: Query, max_new_tokens: int, draft: str | None = None) -> dict:
         started = time.perf_counter()
         prompt = list(query.messages) if query.messages else query.prompt
-        handle = self.core.submit(prompt, SamplingParams(temperature=0.0), query.domain, train=query.train and draft in LEARNING,
-                                  draft=draft, request_id=query.id, max_tokens=max_new_tokens)
+        handle = self.core.submit(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), query.domain,
+                                  train=query.train and draft in LEARNING, draft=draft, request_id=query.id)
         served: Served = handle.result()
         seconds = time.perf_counter() - started  # what the client waited, recording included
         return stream_row(served.text, served.metrics(), served.completion_tokens, seconds)

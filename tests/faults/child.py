@@ -43,15 +43,14 @@ def main() -> None:
     out, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     core = ServingCore(config(target), out)
     core.load()
-    greedy = SamplingParams(temperature=0.0)
-    core.submit("# warm-up", greedy, domain="code", train=False, max_tokens=2).result()  # makes the draft (v0001)
+    core.submit("# warm-up", SamplingParams(temperature=0.0, max_new_tokens=2), domain="code", train=False).result()  # makes the draft (v0001)
     if os.environ.get("FAULT_FSIZE"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         limit = int(os.environ["FAULT_FSIZE"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     print("READY", flush=True)
     for i in range(n):
-        served = core.submit(prompt(i), greedy, domain="code", request_id=f"r{i}", max_tokens=6).result()
+        served = core.submit(prompt(i), SamplingParams(temperature=0.0, max_new_tokens=6), domain="code", request_id=f"r{i}").result()
         print(json.dumps({"id": served.request_id, "recorded": served.recorded, "version": served.draft_version}), flush=True)
         core.pool.wait()  # the update this request made due runs now: one publish every 2 requests, on any machine
         if i == 0:

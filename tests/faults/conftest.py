@@ -97,8 +97,8 @@ def restart(tiny_target_folder):
         core = ServingCore(config(str(tiny_target_folder), **overrides), out)
         core.load()
         try:
-            served = core.submit("def again(x):", SamplingParams(temperature=0.0), domain="code", request_id="after",
-                                 max_tokens=4).result()
+            served = core.submit("def again(x):", SamplingParams(temperature=0.0, max_new_tokens=4), domain="code",
+                                 request_id="after").result()
             draft = core.pool.drafts["code"]
             current = registry.current()
             assert current in registry.versions() and served.draft_version == current

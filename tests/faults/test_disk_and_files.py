@@ -17,7 +17,8 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.serve.core import ServingCore
 
-GREEDY = SamplingParams(temperature=0.0)
+def greedy(new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
 
 
 def test_a_full_disk_skips_records_counts_them_and_serving_goes_on(run_child, restart, tmp_path):
@@ -75,7 +76,7 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
     core.load()
     try:
         for i in range(4):
-            core.submit(prompt(i), GREEDY, domain="code", max_tokens=6).result()
+            core.submit(prompt(i), greedy(6), domain="code").result()
             core.pool.wait()  # each update ends before the next request: two published, none due
         learner = core.pool.drafts["code"].learner
         current = learner.registry.current()
@@ -83,7 +84,7 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
         assert parent, "no update was published"
         learner.config.steps_per_update = 10**7  # the next update runs until something stops it
         for i in range(2):
-            core.submit(prompt(4 + i), GREEDY, domain="code", max_tokens=6).result()
+            core.submit(prompt(4 + i), greedy(6), domain="code").result()
         deadline = time.monotonic() + 10
         while not learner.busy:
             assert time.monotonic() < deadline, "no update started"
@@ -96,9 +97,9 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
             time.sleep(0.1)
         assert learner.registry.current() == parent and learner.registry.versions()[-1] == current  # nothing published over it
         learner.config.steps_per_update = 2
-        assert core.submit(prompt(9), GREEDY, domain="code", max_tokens=6).result().draft_version == parent
+        assert core.submit(prompt(9), greedy(6), domain="code").result().draft_version == parent
         for i in range(2):  # the next update starts from the rolled-back version
-            core.submit(prompt(10 + i), GREEDY, domain="code", max_tokens=6).result()
+            core.submit(prompt(10 + i), greedy(6), domain="code").result()
         core.pool.wait()
         newest = learner.registry.current()
         assert newest != parent and learner.registry.meta(newest)["parent"] == parent
@@ -136,7 +137,7 @@ def test_retention_after_a_clock_jump(jump_days, run_child, tiny_target_folder, 
     core = ServingCore(config(str(tiny_target_folder), retention_days=1.0), out)
     core.load()
     try:
-        core.submit("# touch", GREEDY, domain="code", train=False, max_tokens=2).result()
+        core.submit("# touch", greedy(2), domain="code", train=False).result()
         held = [r.request_id for r in core.pool.drafts["code"].learner.buffer.records()]
         governance = core.governance()
     finally:

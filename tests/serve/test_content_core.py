@@ -16,7 +16,7 @@ from onlinespec.routing.lifecycle import ROUTING_FILE
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 # two kinds of text whose prompt states lie far apart in the tiny target (its weights are random)
 KINDS = {"words": lambda i: "the cat " * (6 + i % 5), "digits": lambda i: " ".join(str(d % 10) for d in range(i, i + 14))}
 
@@ -31,7 +31,7 @@ def start(folder, out_dir) -> ServingCore:
 
 
 def serve(core, kind: str, n: int, offset: int = 0) -> list:
-    return [core.submit(KINDS[kind](offset + i), GREEDY, max_tokens=6, request_id=f"{kind}-{offset + i}").result()
+    return [core.submit(KINDS[kind](offset + i), GREEDY, request_id=f"{kind}-{offset + i}").result()
             for i in range(n)]
 
 

@@ -41,39 +41,39 @@ def test_a_step_that_raises_once_is_recomputed_and_the_request_keeps_its_text(co
     """Nobody can tell whose fault a failed batched step was: the scheduler drops the cache and
     the request prefills its text again (tests/decoding/test_failure_isolation.py); its answer
     is the one it would have had."""
-    params = SamplingParams(temperature=0.0)
-    want = core.submit("def f(x):", params, max_tokens=8).result().text
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want = core.submit("def f(x):", params).result().text
     step = _break_steps(core, {2})
     try:
-        assert core.submit("def f(x):", params, max_tokens=8).result().text == want
+        assert core.submit("def f(x):", params).result().text == want
     finally:
         core.engine.step = step
 
 
 def test_steps_that_raise_twice_in_a_row_fail_their_requests_and_the_next_ones_are_served(core):
-    params = SamplingParams(temperature=0.0)
-    want = core.submit("def f(x):", params, max_tokens=8).result().text
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want = core.submit("def f(x):", params).result().text
     failed = core.metrics.registry.get_sample_value("onlinespec:request_failure_total", {"reason": "internal_error"}) or 0
     step = _break_steps(core, {2, 3})
     try:
         with pytest.raises(Failed, match="injected fault"):
-            core.submit("def f(x):", params, max_tokens=8).result()
+            core.submit("def f(x):", params).result()
     finally:
         core.engine.step = step
-    assert core.submit("def f(x):", params, max_tokens=8).result().text == want  # a fresh batch cache, the same answer
+    assert core.submit("def f(x):", params).result().text == want  # a fresh batch cache, the same answer
     assert core.metrics.registry.get_sample_value("onlinespec:request_failure_total", {"reason": "internal_error"}) == failed + 1
 
 
 def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
-    params = SamplingParams(temperature=0.0)
-    core.submit("x =", params, domain="code", max_tokens=8).result()
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    core.submit("x =", params, domain="code").result()
     learner = core.pool.drafts["code"].learner
 
     def broken():
         raise MemoryError("injected: the update ran out of memory")
 
     learner._run_update = broken
-    core.submit("y =", params, domain="code", max_tokens=8).result()  # the second request makes the update due
+    core.submit("y =", params, domain="code").result()  # the second request makes the update due
     deadline = time.monotonic() + 30
     while not learner.failures:
         assert time.monotonic() < deadline
@@ -81,7 +81,7 @@ def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
     learner.wait()
     assert "MemoryError" in learner.failures[0] and learner.registry.versions() == ["v0001"]
     assert core.metrics.registry.get_sample_value("onlinespec:learner_updates_total", {"draft": "code", "outcome": "failed"}) == 1
-    assert core.submit("z =", params, domain="code", max_tokens=8).result().completion_tokens == 8
+    assert core.submit("z =", params, domain="code").result().completion_tokens == 8
 
 
 def test_housekeeping_that_raises_is_counted_on_metrics_and_goes_on(core):
@@ -113,7 +113,7 @@ def test_an_engine_loop_that_stops_fails_what_waits_and_says_so_instead_of_hangi
 
     core.share.stepped = broken
     with pytest.raises(Failed, match="injected fault between steps"):
-        core.submit("def f(x):", SamplingParams(temperature=0.0), max_tokens=8).result()
+        core.submit("def f(x):", SamplingParams(temperature=0.0, max_new_tokens=8)).result()
     assert not core.ready and "injected fault" in core.error
     with pytest.raises(Exception, match="not ready|failed"):
-        core.submit("def f(x):", SamplingParams(temperature=0.0), max_tokens=8)
+        core.submit("def f(x):", SamplingParams(temperature=0.0, max_new_tokens=8))

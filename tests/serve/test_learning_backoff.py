@@ -23,15 +23,15 @@ def test_a_backed_off_draft_records_one_request_in_backoff_and_still_counts_ever
     core = ServingCore(config, tmp_path / "run")
     core.load()
     try:
-        params = SamplingParams(temperature=0.0)
+        params = SamplingParams(temperature=0.0, max_new_tokens=6)
         prompts = [f"def f{i}(x):" for i in range(12)]
-        first = [core.submit(p, params, domain="code", max_tokens=6).result() for p in prompts[:4]]
+        first = [core.submit(p, params, domain="code").result() for p in prompts[:4]]
         draft = core.pool.drafts["code"]
         assert [s.recorded for s in first] == [True] * 4 and draft.learner.governance()["held"] == 4
 
         draft.learner.backoff = 4  # the controller's decision after updates that earned nothing
         indexed = draft.suffix.tokens
-        later = [core.submit(p, params, domain="code", max_tokens=6).result() for p in prompts[4:]]
+        later = [core.submit(p, params, domain="code").result() for p in prompts[4:]]
         assert sum(s.recorded for s in later) == 2  # 8 requests, one in 4 recorded
         assert draft.learner.governance()["held"] == 6
         assert draft.learner._count == 12  # every request counts towards the (backed-off) interval

@@ -36,8 +36,8 @@ def test_sampling_follows_the_target_while_learning_runs_between_steps(tiny_targ
     core.load()
     try:
         def sample(seed: int):
-            params = SamplingParams(seed=seed, ignore_eos=True, **SAMPLING)
-            served = core.submit(PROMPT, params, domain="d", max_tokens=NEW_TOKENS).result()
+            params = SamplingParams(max_new_tokens=NEW_TOKENS, seed=seed, ignore_eos=True, **SAMPLING)
+            served = core.submit(PROMPT, params, domain="d").result()
             return tuple(served.token_ids), served.draft_version
 
         with ThreadPoolExecutor(8) as pool:

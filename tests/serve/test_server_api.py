@@ -61,6 +61,16 @@ def test_chat_and_completions_equal_generate_streaming_or_not(client, model, alo
     assert "".join(c.choices[0].text for c in streamed) == want.text
 
 
+def test_min_tokens_past_128_within_a_larger_budget_is_served(client, model):
+    """min_tokens above SamplingParams' library default budget (128): served, at least min_tokens
+    long and within max_tokens (it was a 500: the budget was a placeholder of 128 until admission)."""
+    got = client.completions.create(model=model, prompt="Hi", max_tokens=160, temperature=0, extra_body={"min_tokens": 140})
+    assert 140 <= got.usage.completion_tokens <= 160
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=150,
+                                          temperature=0, extra_body={"min_tokens": 140})
+    assert 140 <= chat.usage.completion_tokens <= 150
+
+
 def test_stop_strings_and_request_ids(client, model, alone, server):
     prompt = "Once upon a time"
     full = alone.generate(prompt, SamplingParams(max_new_tokens=30)).text

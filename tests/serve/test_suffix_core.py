@@ -16,7 +16,8 @@ from onlinespec.models import load_model
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 
-GREEDY = SamplingParams(temperature=0.0)
+def greedy(new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
 
 
 def start(folder, out_dir, **options) -> ServingCore:
@@ -31,9 +32,9 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
     target = load_model(str(tiny_target_folder))
     core = start(tiny_target_folder, tmp_path / "run")
     try:
-        first = core.submit(question, GREEDY, max_tokens=24, request_id="q1").result()
-        again = core.submit(question, GREEDY, max_tokens=24, request_id="q2").result()
-        private = core.submit("Something private.", GREEDY, max_tokens=8, request_id="p", train=False).result()
+        first = core.submit(question, greedy(24), request_id="q1").result()
+        again = core.submit(question, greedy(24), request_id="q2").result()
+        private = core.submit("Something private.", greedy(8), request_id="p", train=False).result()
         index = next(iter(core.pool.drafts.values())).suffix
         assert index.stats()["requests"] == 2  # q1 and q2; never the opted-out one
         assert again.text == first.text
@@ -51,7 +52,7 @@ def test_the_suffix_index_learns_from_served_requests_and_keeps_what_it_should(t
     core = start(tiny_target_folder, tmp_path / "run")
     try:
         assert next(iter(core.pool.drafts.values())).suffix.stats()["requests"] == 2  # loaded again at start-up
-        third = core.submit(question, GREEDY, max_tokens=24, request_id="q3").result()
+        third = core.submit(question, greedy(24), request_id="q3").result()
         index = next(iter(core.pool.drafts.values())).suffix
         assert third.stats.acceptance_rate > 0.9
         core.purge(request_id="q1")
@@ -80,14 +81,14 @@ def test_an_unreadable_index_is_set_aside_and_another_tokenizers_stops_start_up(
     from onlinespec.serve.handles import LoadFailed
 
     core = start(tiny_target_folder, tmp_path / "run")
-    name = core.submit("x = 1", GREEDY, max_tokens=4, request_id="a").result().draft
+    name = core.submit("x = 1", greedy(4), request_id="a").result().draft
     core.shutdown(drain_seconds=5)
     saved = tmp_path / "run" / "drafts" / name / SUFFIX_FILE
     saved.write_bytes(b"\x00" * 40)  # a torn or foreign file
     core = start(tiny_target_folder, tmp_path / "run")
     try:
         assert core.pool.drafts[name].suffix.stats()["requests"] == 0  # set aside: the index starts empty
-        core.submit("x = 1", GREEDY, max_tokens=4, request_id="b").result()
+        core.submit("x = 1", greedy(4), request_id="b").result()
         assert core.pool.drafts[name].suffix.stats()["requests"] == 1
         assert list((saved.parent / "quarantine").glob(f"{SUFFIX_FILE}.*"))
     finally:
@@ -110,9 +111,9 @@ def test_a_second_tenant_learns_nothing_from_the_first_tenants_text(tiny_target_
     question = [{"role": "user", "content": "Explain what a cache is, briefly."}]
     core = start(tiny_target_folder, tmp_path / "run", shared_suffix=shared)
     try:
-        core.submit(question, GREEDY, max_tokens=24, tenant="key-a").result()
-        again = core.submit(question, GREEDY, max_tokens=24, tenant="key-a").result()
-        other = core.submit(question, GREEDY, max_tokens=24, tenant="key-b").result()
+        core.submit(question, greedy(24), tenant="key-a").result()
+        again = core.submit(question, greedy(24), tenant="key-a").result()
+        other = core.submit(question, greedy(24), tenant="key-b").result()
     finally:
         core.shutdown()
     suffix_hits = lambda served: served.metrics()["speculative_decoding"]["by_drafter"].get("suffix", {}).get("accepted_tokens", 0)  # noqa: E731

@@ -24,9 +24,9 @@ def test_max_model_len_caps_the_context_and_refuses_past_it(tiny_target_folder, 
     try:
         assert core.context == 64
         with pytest.raises(ServeError) as refused:
-            core.submit(list(range(5, 5 + 62)), SamplingParams(), max_tokens=1)
+            core.submit(list(range(5, 5 + 62)), SamplingParams(max_new_tokens=1))
         assert refused.value.code == "context_length_exceeded" and "64 tokens" in refused.value.message
-        assert core.submit(list(range(5, 15)), SamplingParams(), max_tokens=4) is not None
+        assert core.submit(list(range(5, 15)), SamplingParams(max_new_tokens=4)) is not None
     finally:
         core.shutdown(drain_seconds=5)
     too_long = ServingCore(config(tiny_target_folder, 100_000), tmp_path / "run2")
@@ -55,16 +55,16 @@ def test_a_model_without_a_chat_template_refuses_chat_clearly_and_serves_one_giv
     bare.load()
     try:
         with pytest.raises(ServeError) as refused:
-            bare.submit(messages, SamplingParams(), max_tokens=2)
+            bare.submit(messages, SamplingParams(max_new_tokens=2))
         assert refused.value.param == "messages" and "--chat-template" in refused.value.message
-        assert bare.submit("Hello there", SamplingParams(), max_tokens=2).result().token_ids  # text prompts still serve
+        assert bare.submit("Hello there", SamplingParams(max_new_tokens=2)).result().token_ids  # text prompts still serve
     finally:
         bare.shutdown(drain_seconds=5)
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     given = ServingCore(replace(config(base_model_folder, 128), chat_template=template), tmp_path / "given")
     given.load()
     try:
-        handle = given.submit(messages, SamplingParams(), max_tokens=2)
+        handle = given.submit(messages, SamplingParams(max_new_tokens=2))
         assert handle.state.prompt_ids == given.tokenizer("<user>Hello there\n<assistant>").input_ids
         assert handle.result().token_ids
     finally:

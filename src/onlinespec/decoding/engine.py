@@ -117,19 +117,19 @@ class SpeculativeEngine:
         """The target's context window in tokens."""
         return self.runner.context
 
-    def room(self, prompt_tokens: int) -> int:
-        """The most new tokens a request with this prompt may ask for: a verification block
-        reaches k + 1 positions past the text, and all of it must fit in the context."""
-        return self.context - prompt_tokens - (self.k + 1)
-
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int, name: str = "max_new_tokens") -> None:
-        """A clear ``ValueError`` if the prompt and its budget overrun the context (``name``:
-        what the caller calls the budget)."""
-        room = self.room(prompt_tokens)
-        if max_new_tokens > room:
-            raise ValueError(f"prompt ({prompt_tokens} tokens) + {name} ({max_new_tokens}) exceeds the model's context "
-                             f"of {self.context} tokens: ask for at most {max(room, 0)} new tokens for this prompt"
+    def budget(self, prompt_tokens: int, max_new_tokens: int | None = None, name: str = "max_new_tokens") -> int:
+        """The new tokens a request with this prompt gets: ``max_new_tokens``, or all the context
+        leaves when None. A verification block reaches k + 1 positions past the text, and all of
+        it must fit in the context: a clear ``ValueError`` when the prompt leaves no room or the
+        budget overruns it (``name``: what the caller calls the budget). The capacity check and
+        the stop check (:class:`~onlinespec.decoding.stopping.StopChecker`) use this one answer."""
+        room = self.context - prompt_tokens - (self.k + 1)
+        if room < 1 or (max_new_tokens is not None and max_new_tokens > room):
+            asked = "" if max_new_tokens is None else f" + {name} ({max_new_tokens})"
+            raise ValueError(f"prompt ({prompt_tokens} tokens){asked} exceeds the model's context of {self.context} tokens: "
+                             f"ask for at most {max(room, 0)} new tokens for this prompt"
                              + ("" if room > 0 else f", or shorten the prompt to at most {self.context - self.k - 2} tokens"))
+        return room if max_new_tokens is None else max_new_tokens
 
     def reset(self) -> None:
         """Drop every request's cache rows (after a step that failed half-way)."""

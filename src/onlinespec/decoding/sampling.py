@@ -27,8 +27,8 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each positio
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+    max_new_tokens: int | None = 128  # None: all the context leaves (SpeculativeEngine.budget resolves it per prompt)
+    temperature: float = 0.0  # the library's default, greedy; the HTTP server always passes OpenAI's (serve.protocol.DEFAULT_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     stop_strings: tuple[str, ...] = ()
@@ -45,7 +45,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
@@ -75,7 +75,7 @@ class SamplingParams:
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
+        if self.min_tokens < 0 or (self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens):
             raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -79,8 +79,8 @@ class SpeculativeDecoder:
         if proposer is None:
             proposer, adaptive_k = self.proposer, self.adaptive_k
         ids = self.encode(prompt)
-        self.engine.check_fits(len(ids), params.max_new_tokens)
-        return RequestState(ids, params, StopChecker(params, self.eos_token_ids, self.tokenizer),
+        budget = self.engine.budget(len(ids), params.max_new_tokens)
+        return RequestState(ids, params, StopChecker(params, self.eos_token_ids, self.tokenizer, max_new_tokens=budget),
                             proposer=proposer, adaptive=adaptive_k, trace=[] if trace else None)
 
     def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), trace: bool = False) -> Generation:

@@ -18,8 +18,13 @@ class StopChecker:
     tokenizer: object | None = None  # needed for stop strings only
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+    max_new_tokens: int | None = None  # the budget SpeculativeEngine.budget resolved (None: params.max_new_tokens)
 
     def __post_init__(self) -> None:
+        if self.max_new_tokens is None:
+            self.max_new_tokens = self.params.max_new_tokens
+        if self.max_new_tokens is None:
+            raise ValueError("max_new_tokens=None (all the context leaves) needs the prompt: pass SpeculativeEngine.budget's answer")
         if self.params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if self.params.ignore_eos:
@@ -32,7 +37,7 @@ class StopChecker:
 
     @property
     def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.generated)
+        return self.max_new_tokens - len(self.generated)
 
     def clip(self, new_tokens: list[int]) -> list[int]:
         """Append a round's tokens, cut at the first stop condition; return the tokens kept."""

@@ -274,13 +274,13 @@ class RayCore:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
-               draft: str | None = None, request_id: str | None = None, max_tokens: int | None = None,
+               draft: str | None = None, request_id: str | None = None,
                notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> RemoteHandle:
         """Queue a request on a replica (as :meth:`ServingCore.submit`; the same errors)."""
         if not self.ready:
             raise Unavailable(f"not ready: {self.error or 'no replica is ready'}; retry when GET /ready answers 200")
         request = {"prompt": prompt, "params": params, "domain": domain, "train": train, "draft": draft,
-                   "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "max_tokens": max_tokens, "stream": stream,
+                   "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "stream": stream,
                    "tenant": tenant}
         handle = RemoteHandle(self, request, notify)
         self._place(handle)

@@ -133,10 +133,10 @@ class ReplicaService:
         return text.decode() if isinstance(text, bytes) else text
 
     async def purge(self, request_id: str | None, older_than_days: float | None) -> dict:
-        return await asyncio.to_thread(self.core.purge, request_id, older_than_days)
+        return await asyncio.to_thread(self.core.purge, request_id=request_id, older_than_days=older_than_days)
 
     async def shutdown(self, drain_seconds: float) -> None:
-        await asyncio.to_thread(self.core.shutdown, drain_seconds)
+        await asyncio.to_thread(self.core.shutdown, drain_seconds=drain_seconds)
         self._stopped = True
         self._wake.set()
 

@@ -23,7 +23,7 @@ def admin_router(core: ServingCore, settings: ServerSettings, access: Access) ->
         access.admin(request)
         if not core.ready:
             raise ServeError(f"not ready: the model is {core.status}")
-        return await asyncio.to_thread(core.operate, action, name, version)
+        return await asyncio.to_thread(core.operate, action, name=name, version=version)
 
     @router.get("/drafts")
     async def drafts(request: Request):
@@ -44,7 +44,7 @@ def admin_router(core: ServingCore, settings: ServerSettings, access: Access) ->
         rid, days = data.get("request_id"), data.get("older_than_days")
         if not isinstance(rid, (str, type(None))) or isinstance(days, bool) or not isinstance(days, (int, float, type(None))):
             raise ServeError(PURGE_BODY)
-        return await asyncio.to_thread(core.purge, rid, days)
+        return await asyncio.to_thread(core.purge, request_id=rid, older_than_days=days)
 
     @router.post("/learning/{action}")
     async def learning(request: Request, action: str):

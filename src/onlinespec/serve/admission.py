@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import replace
 
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.sampling import SamplingParams
@@ -29,36 +28,28 @@ def encode(tokenizer, vocab_size: int, prompt: Prompt) -> list[int]:
         raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
 
 
-def admit_params(engine: SpeculativeEngine, params: SamplingParams, prompt_tokens: int, requested: int | None,
-                 default: int | None, vocab_size: int) -> SamplingParams:
-    """``params`` with the request's token budget (:func:`token_budget`), once the token ids it
-    names are in the vocabulary and ``min_tokens`` is within the budget."""
+def admit_budget(engine: SpeculativeEngine, params: SamplingParams, prompt_tokens: int, default: int | None, vocab_size: int) -> int:
+    """The new tokens this request gets, what its stop check stops at: ``params.max_new_tokens``
+    (the request's ``max_tokens``), or when None ``default`` (``--default-max-tokens``) within
+    the context left, or all of it (as vLLM). One question to the engine
+    (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.budget`); refused first when a token
+    id the params name is past the vocabulary, then when the budget does not fit the context
+    (``context_length_exceeded``) or is less than ``min_tokens``."""
     for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
         past = [t for t in ids if t >= vocab_size]
         if past:
             raise ServeError(f"{name}: token id {past[0]} is past the vocabulary (ids are 0..{vocab_size - 1})", param=name)
-    budget = token_budget(engine, prompt_tokens, requested, default)
+    asked = params.max_new_tokens
+    try:
+        budget = engine.budget(prompt_tokens, asked, name="max_tokens")  # the client's name for it
+    except ValueError as err:
+        raise ServeError(str(err), param="max_tokens" if asked is not None else "messages", code="context_length_exceeded") from None
+    if asked is None and default is not None:
+        budget = min(budget, default)
     if params.min_tokens > budget:
         raise ServeError(f"min_tokens = {params.min_tokens} is more than the {budget} new tokens this request may have "
                          f"(max_tokens, or the context left)", param="min_tokens")
-    return replace(params, max_new_tokens=budget)
-
-
-def token_budget(engine: SpeculativeEngine, prompt_tokens: int, requested: int | None, default: int | None) -> int:
-    """The request's budget: what it asked, or ``default`` (None: all the context left, as vLLM),
-    within the context left; a prompt that leaves no room, or a request for more than is left,
-    is a clear error."""
-    room = engine.room(prompt_tokens)
-    if room < 1:
-        raise ServeError(f"the prompt has {prompt_tokens} tokens: the model's context is {engine.context} tokens, "
-                         f"so a prompt may have at most {engine.context - engine.k - 2}", param="messages", code="context_length_exceeded")
-    if requested is None:
-        return room if default is None else min(room, default)
-    try:
-        engine.check_fits(prompt_tokens, requested, "max_tokens")
-    except ValueError as err:
-        raise ServeError(str(err), param="max_tokens", code="context_length_exceeded") from None
-    return requested
+    return budget
 
 
 class Domains:

@@ -37,7 +37,7 @@ def create_app(core: ServingCore, settings: ServerSettings | None = None) -> Fas
         else:
             await asyncio.to_thread(core.load)
         yield
-        await asyncio.to_thread(core.shutdown, settings.drain_seconds)
+        await asyncio.to_thread(core.shutdown, drain_seconds=settings.drain_seconds)
 
     app = FastAPI(title="onlinespec", lifespan=lifespan, docs_url=None, redoc_url=None)
     add_error_handlers(app)

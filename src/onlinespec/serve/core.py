@@ -52,7 +52,7 @@ from onlinespec.factory import FRESH, engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
-from onlinespec.serve.admission import Domains, admit_params, encode, named_draft, queue_full
+from onlinespec.serve.admission import Domains, admit_budget, encode, named_draft, queue_full
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
@@ -249,13 +249,14 @@ class ServingCore:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
-               draft: str | None = None, request_id: str | None = None, max_tokens: int | None = None,
+               draft: str | None = None, request_id: str | None = None,
                notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
-        ``max_tokens`` is the request's budget, as in the OpenAI API (``params.max_new_tokens`` is
-        not read): checked against the context left; None gives ``default_max_tokens``, within
-        the context. ``draft``: serve with this draft by name (``"static"``: the
+        ``params.max_new_tokens`` is the request's budget (its ``max_tokens``): checked against
+        the context left; None (and no ``params``) gives ``default_max_tokens`` within the
+        context, or all the context left (:func:`~onlinespec.serve.admission.admit_budget`).
+        ``draft``: serve with this draft by name (``"static"``: the
         starting draft kept static, when offered; ``"none"``: the target alone; a pool draft's
         name) instead of the router's choice; such requests train nothing unless the draft is
         the router's own. ``train=False``: never stored, never trained on. ``stream``: the
@@ -270,7 +271,8 @@ class ServingCore:
         domain = self._domains.admit(domain)
         vocab = min(self.engine.runner.vocab_size, len(self.tokenizer))
         ids = encode(self.tokenizer, vocab, prompt)
-        params = admit_params(self.engine, params or SamplingParams(), len(ids), max_tokens, self.config.default_max_tokens, vocab)
+        params = params or SamplingParams(max_new_tokens=None)
+        budget = admit_budget(self.engine, params, len(ids), self.config.default_max_tokens, vocab)
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
@@ -278,7 +280,7 @@ class ServingCore:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
                 self.metrics.failures.labels("queue_full").inc()
                 raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
-            state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer), proposer=chosen.proposer,
+            state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer, max_new_tokens=budget), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"

@@ -62,7 +62,7 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
                        param="model", code="model_not_found")
     prompts = [body.prompt()] if chat else body.prompts()
     body.choices(len(prompts))
-    params, max_tokens = body.sampling(), body.limits()
+    params = body.sampling()
     loop, wake = asyncio.get_running_loop(), asyncio.Event()
 
     def notify() -> None:
@@ -77,8 +77,9 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
             for j in range(body.n):  # a prompt's first choice alone is stored for learning: the others add nothing new
                 index = i * body.n + j
                 handles.append(await asyncio.to_thread(
-                    core.submit, prompt, choice_params(params, j), body.domain or "default", body.train and j == 0, body.draft,
-                    request_id if index == 0 else f"{request_id}-{index}", max_tokens, notify, body.stream, tenant))
+                    core.submit, prompt, params=choice_params(params, j), domain=body.domain or "default", train=body.train and j == 0,
+                    draft=body.draft, request_id=request_id if index == 0 else f"{request_id}-{index}", notify=notify,
+                    stream=body.stream, tenant=tenant))
     except BaseException:
         for handle in handles:
             handle.cancel()

@@ -33,6 +33,7 @@ MAX_STOP_CHARS = 1000  # characters per stop sequence
 MAX_CHOICES = 16  # choices per request (prompts x n): each is a request of its own in the batch
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+DEFAULT_TEMPERATURE = 1.0  # a request without temperature samples, as OpenAI and vLLM do: the server's one default
 # vLLM's extra request fields that change the output and that we do not implement, at their
 # neutral values: anything else is a 400
 VLLM_EXTRAS: dict[str, object] = {
@@ -106,7 +107,11 @@ class _Common(BaseModel):
                                  f"ignored: it could be an opt-out)", param=key, code="unknown_field")
 
     def sampling(self) -> SamplingParams:
-        """The sampling parameters (the budget is :meth:`limits`'s); 400 on what we cannot serve."""
+        """The sampling parameters, built once: ``max_tokens`` becomes ``max_new_tokens`` (None: the
+        server's default or the context left, :func:`onlinespec.serve.admission.admit_budget`);
+        400 on what we cannot serve."""
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ServeError(f"min_tokens = {self.min_tokens} is more than max_tokens = {self.max_tokens}", param="min_tokens")
         if self.stream_options is not None and not self.stream:
             raise ServeError("stream_options needs stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,7 +122,7 @@ class _Common(BaseModel):
             if not key.isdigit() or len(key) > 9:
                 raise Unprocessable(f"logit_bias: the keys are token ids (as strings, e.g. \"50256\"), got {shown(key)}", param="logit_bias")
             bias[int(key)] = value
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+        return SamplingParams(max_new_tokens=self.max_tokens, temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
                               stop_strings=tuple(stops), seed=self.seed, ignore_eos=self.ignore_eos, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -167,7 +172,13 @@ class ChatRequest(_Common):
     response_format: dict | None = None
 
     def check_extras(self) -> None:
+        """As :meth:`_Common.check_extras`, and ``max_completion_tokens`` (OpenAI's newer name)
+        becomes ``max_tokens``: one budget from here on."""
         super().check_extras()
+        if self.max_completion_tokens is not None:
+            if self.max_tokens not in (None, self.max_completion_tokens):
+                raise ServeError("max_tokens and max_completion_tokens disagree: give one", param="max_completion_tokens")
+            self.max_tokens = self.max_completion_tokens
         for i, message in enumerate(self.messages):
             for key in message.model_extra or {}:
                 meant = near_miss(key, type(message).model_fields)
@@ -191,11 +202,6 @@ class ChatRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise ServeError("top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def limits(self) -> int | None:
-        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
-            raise ServeError("max_tokens and max_completion_tokens disagree: give one", param="max_completion_tokens")
-        return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Common):
@@ -224,9 +230,6 @@ class CompletionRequest(_Common):
         if self.echo and self.logprobs is not None:  # OpenAI's echo: the prompt's tokens come with log probabilities too
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
-
-    def limits(self) -> int | None:
-        return self.max_tokens
 
 
 def _union_tag(part) -> bool:

@@ -102,7 +102,7 @@ class Recorder:
     def _count(self, handle: Handle, served: Served) -> None:
         draft, home, stats = handle.draft, handle.home, served.stats
         self.metrics.request(draft.name, draft.version, handle.domain, stats, speculative_decoding(stats),
-                             handle.state.params.max_new_tokens)
+                             handle.state.stop.max_new_tokens)
         if self.on_served is not None and draft.learner is not None:
             self.on_served(draft, stats)
         self.metrics.serving(draft.name, draft.version)
