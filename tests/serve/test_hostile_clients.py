@@ -51,6 +51,7 @@ def hostile_requests(model: str) -> list[tuple]:
         ("a stop token id past the vocabulary", CHAT, chat(stop_token_ids=[999_999]), 400, "stop_token_ids"),
         ("a logit bias of 500", CHAT, chat(logit_bias={"1": 500}), 422, "logit_bias.1"),
         ("a logit bias keyed by text", CHAT, chat(logit_bias={"hello": 1}), 422, "logit_bias"),
+        ("a logit bias keyed by a superscript two", CHAT, chat(logit_bias={"²": 1}), 422, "logit_bias"),  # str.isdigit() says yes, int() no
         ("a logit bias past the vocabulary", CHAT, chat(logit_bias={"999999": 1}), 400, "logit_bias"),
         ("top_logprobs 50", CHAT, chat(logprobs=True, top_logprobs=50), 422, "top_logprobs"),
         ("min_tokens past max_tokens", CHAT, chat(max_tokens=4, min_tokens=9), 400, "min_tokens"),

@@ -1,17 +1,34 @@
 """The checks a request or an operator's call passes before the core acts (no model): each refusal
-is a ServeError that names its field, and an error crosses processes (a Ray replica's) whole."""
+is a ServeError that names its field, and an error crosses processes (a Ray replica's) whole. The
+HTTP cases here run the real app in this process (httpx's ASGI transport) over a core that is
+only a status: what a client or a probe sees before any model work."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import time
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from onlinespec.serve.admission import Domains, named_draft, queue_full
+from onlinespec.serve.app import create_app
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, Overloaded, ServeError
 from onlinespec.serve.operations import purge_cutoff
+from onlinespec.serve.web import ServerSettings
+
+
+def asgi(core, method: str, path: str, settings: ServerSettings | None = None, **kwargs) -> httpx.Response:
+    """One HTTP request to the real app over ``core``, in this process (no lifespan: nothing loads)."""
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(core, settings or ServerSettings()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(send())
 
 
 def test_an_error_survives_a_process_boundary_with_its_status_and_fields():
@@ -31,6 +48,16 @@ def test_domains_are_labels_and_bounded_in_number():
     with pytest.raises(ServeError) as refused:
         domains.admit("not a label")
     assert refused.value.code == "invalid_domain"
+
+
+def test_a_content_length_that_is_not_a_number_is_a_400_naming_the_header():
+    """'²' passes str.isdigit() and fails int(): it was a 500. (uvicorn's h11 refuses it before the
+    app; another ASGI server, or a proxy that passes it, would not.)"""
+    response = asgi(SimpleNamespace(status="ready"), "POST", "/v1/completions", content=b"{}",
+                    headers={"content-type": "application/json", "content-length": b"\xb2"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "Content-Length" and error["code"] == "invalid_content_length" and "invalid" in error["message"]
 
 
 def test_a_named_draft_must_exist():

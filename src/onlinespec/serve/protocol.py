@@ -119,7 +119,7 @@ class _Common(BaseModel):
             raise ServeError(f"stop: give at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters", param="stop")
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or len(key) > 9:
+            if not (key.isascii() and key.isdigit()) or len(key) > 9:  # "²" is a digit to str.isdigit, not to int()
                 raise Unprocessable(f"logit_bias: the keys are token ids (as strings, e.g. \"50256\"), got {shown(key)}", param="logit_bias")
             bias[int(key)] = value
         return SamplingParams(max_new_tokens=self.max_tokens, temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,

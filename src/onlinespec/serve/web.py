@@ -88,10 +88,15 @@ class Access:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) past ``limit`` bytes, declared or sent."""
+    """The request's body, refused (413) past ``limit`` bytes, declared or sent; a declared size
+    that is not a number of bytes is a 400."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"the body has {declared} bytes: the limit is {limit}", code="body_too_large")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):  # "²" is a digit to str.isdigit, not to int()
+            raise ServeError(f"the Content-Length header {shown(declared)} is invalid: give the body's size in bytes",
+                             param="Content-Length", code="invalid_content_length")
+        if len(declared) > 18 or int(declared) > limit:  # int() refuses thousands of digits
+            raise TooLarge(f"the body has {declared[:20]} bytes: the limit is {limit}", code="body_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
