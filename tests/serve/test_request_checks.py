@@ -50,6 +50,12 @@ def test_domains_are_labels_and_bounded_in_number():
     assert refused.value.code == "invalid_domain"
 
 
+def test_health_is_503_while_the_model_loads_and_200_once_it_serves():
+    for status, code in (("starting", 503), ("loading", 503), ("calibrating", 503), ("ready", 200), ("draining", 200), ("failed", 500)):
+        response = asgi(SimpleNamespace(status=status, error="boom" if status == "failed" else None), "GET", "/health")
+        assert response.status_code == code, (status, response.text)
+
+
 def test_a_content_length_that_is_not_a_number_is_a_400_naming_the_header():
     """'²' passes str.isdigit() and fails int(): it was a 500. (uvicorn's h11 refuses it before the
     app; another ASGI server, or a proxy that passes it, would not.)"""

@@ -2,7 +2,8 @@
 
 Routes, one router per concern: OpenAI's API under ``/v1`` (:mod:`onlinespec.serve.openai_routes`),
 vLLM's ``/tokenize``, ``/detokenize`` and ``/version`` (:mod:`onlinespec.serve.tokenizer_routes`),
-the process's health (``GET /health``: alive; ``GET /ready``: model loaded and calibrated;
+the process's health (``GET /health``: 503 while the model loads, then 200 while the process
+serves, 500 if loading failed, as llama-server answers; ``GET /ready``: model loaded and calibrated;
 ``GET /metrics``: Prometheus text), and the admin API under ``/admin``
 (:mod:`onlinespec.serve.admin_routes`). Every error has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` (:func:`onlinespec.serve.web.error_response`).
@@ -25,6 +26,9 @@ from onlinespec.serve.logs import AccessLog
 from onlinespec.serve.openai_routes import openai_router
 from onlinespec.serve.tokenizer_routes import tokenizer_router
 from onlinespec.serve.web import Access, ServerSettings, error_response
+
+
+LOADING = ("starting", "loading", "calibrating")  # the statuses before a core first serves (ServingCore's, RayCore's)
 
 
 def create_app(core: ServingCore, settings: ServerSettings | None = None) -> FastAPI:
@@ -78,6 +82,8 @@ def health_router(core: ServingCore, settings: ServerSettings) -> APIRouter:
     async def health():
         if core.status == "failed":
             return JSONResponse({"status": "failed", "error": core.error}, status_code=500)
+        if core.status in LOADING:
+            return JSONResponse({"status": "loading", "model": core.status}, status_code=503)
         return {"status": "alive", "model": core.status}
 
     @router.get("/ready")
