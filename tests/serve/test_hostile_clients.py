@@ -227,3 +227,32 @@ def test_tenants_are_separated_by_api_key(launch, tmp_path):
     assert spec(again)["num_accepted_tokens"] > spec(first)["num_accepted_tokens"], "tenant A is drafted from its own first answer"
     assert spec(other)["num_accepted_tokens"] == spec(first)["num_accepted_tokens"], "tenant B sees nothing of A's answer"
     assert other["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+
+
+def test_a_key_acts_for_its_own_tenants_only_and_errors_name_no_other_tenants_domains(launch, tmp_path):
+    """A key given tenants ('KEY T1,T2') picks among them with --tenant-header; naming another's
+    is a 403 that names no tenant; without the header each key is its own tenant (not a shared
+    'default'): a full server's domain error lists only the caller's own domains."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-a team-a,team-b\nkey-of-b\n")
+    server = launch(tmp_path / "run", "--api-key-file", str(keys), "--tenant-header", "X-Tenant", "--max-domains", "3")
+    model = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer key-of-b"}).json()["data"][0]["id"]
+
+    def post(key: str, domain: str = "default", tenant: str | None = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}", **({"X-Tenant": tenant} if tenant else {})}
+        body = {"model": model, "prompt": "Hi", "max_tokens": 1, "domain": domain}
+        return httpx.post(server.url + COMPLETIONS, json=body, headers=headers, timeout=60)
+
+    assert post("key-of-a", tenant="team-b").status_code == 200, "one of the key's own tenants"
+    for key, claimed in (("key-of-a", "team-c"), ("key-of-b", "team-a"), ("key-of-b", "default")):
+        refused = post(key, tenant=claimed)
+        assert refused.status_code == 403, f"{key} claimed {claimed}: {refused.status_code} {refused.text[:300]}"
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("X-Tenant", "tenant_not_allowed")
+        assert "team-" not in error["message"] and "default" not in error["message"], error["message"]
+    assert post("key-of-a", domain="alpha").status_code == 200  # tenant team-a, the key's first
+    assert post("key-of-b", domain="beta").status_code == 200  # default, alpha, beta: the server's 3
+    seen_by_b = post("key-of-b", domain="gamma").json()["error"]
+    assert seen_by_b["code"] == "too_many_domains" and "beta" in seen_by_b["message"] and "alpha" not in seen_by_b["message"]
+    seen_by_a = post("key-of-a", domain="delta").json()["error"]
+    assert "alpha" in seen_by_a["message"] and "beta" not in seen_by_a["message"]

@@ -50,6 +50,16 @@ def test_domains_are_labels_and_bounded_in_number():
     assert refused.value.code == "invalid_domain"
 
 
+def test_a_full_server_names_only_the_callers_own_domains():
+    domains = Domains(limit=3)
+    domains.admit("secret-project", tenant="team-a")
+    domains.admit("maths", tenant="team-b")
+    with pytest.raises(ServeError) as refused:
+        domains.admit("code", tenant="team-b")
+    assert refused.value.code == "too_many_domains" and "maths" in refused.value.message and "default" in refused.value.message
+    assert "secret-project" not in refused.value.message, "another tenant's domain name leaked"
+
+
 def test_health_is_503_while_the_model_loads_and_200_once_it_serves():
     for status, code in (("starting", 503), ("loading", 503), ("calibrating", 503), ("ready", 200), ("draining", 200), ("failed", 500)):
         response = asgi(SimpleNamespace(status=status, error="boom" if status == "failed" else None), "GET", "/health")
@@ -64,6 +74,24 @@ def test_a_content_length_that_is_not_a_number_is_a_400_naming_the_header():
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "Content-Length" and error["code"] == "invalid_content_length" and "invalid" in error["message"]
+
+
+def test_an_open_server_trusts_the_tenant_header_and_a_key_picks_only_among_its_own():
+    def models(settings: ServerSettings, key: str | None, tenant: str | None) -> httpx.Response:
+        headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **({"X-Tenant": tenant} if tenant else {})}
+        return asgi(SimpleNamespace(status="ready", started_at=0.0), "GET", "/v1/models", settings, headers=headers)
+
+    open_server = ServerSettings(tenant_header="X-Tenant")
+    assert models(open_server, None, "anyone").status_code == 200
+    keyed = ServerSettings(api_key="old-style", api_keys=("k-a team-a,team-b",), tenant_header="X-Tenant")
+    assert models(keyed, "k-a", "team-b").status_code == 200 and models(keyed, "k-a", None).status_code == 200
+    assert models(keyed, "old-style", None).status_code == 200, "a key written alone still works"
+    for key, claimed in (("k-a", "team-c"), ("old-style", "team-a"), ("old-style", "default")):
+        refused = models(keyed, key, claimed)
+        assert refused.status_code == 403, (key, claimed, refused.text)
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("X-Tenant", "tenant_not_allowed")
+        assert "team-" not in error["message"] and "default" not in error["message"], error["message"]
 
 
 def test_a_named_draft_must_exist():

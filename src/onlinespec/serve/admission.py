@@ -55,14 +55,15 @@ def admit_budget(engine: SpeculativeEngine, params: SamplingParams, prompt_token
 class Domains:
     """The request domains a server has seen, at most ``limit``: a client's strings become metrics
     labels and routes, so both their shape (:data:`onlinespec.safety.LABEL`) and their number are
-    bounded."""
+    bounded. A refusal names only the domains the caller's own tenant sent (and ``default``):
+    one tenant never learns another's domain names from an error."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.known: set[str] = {"default"}
+        self.known: dict[str, str] = {"default": ""}  # domain -> the tenant that first sent it ("": everyone's)
         self._lock = threading.Lock()
 
-    def admit(self, domain: str) -> str:
+    def admit(self, domain: str, tenant: str = "") -> str:
         try:
             check_label(domain, "domain")
         except ValueError as err:
@@ -70,10 +71,12 @@ class Domains:
         with self._lock:
             if domain not in self.known:
                 if len(self.known) >= self.limit:
-                    raise ServeError(f"domain {shown(domain)} is new and this server already serves {len(self.known)} domains "
-                                     f"(its --max-domains): send one it knows ({', '.join(sorted(self.known)[:8])}...) "
-                                     f"or leave domain out", param="domain", code="too_many_domains")
-                self.known.add(domain)
+                    yours = sorted(d for d, first in self.known.items() if first in ("", tenant))
+                    listed = ", ".join(yours[:8]) + (", ..." if len(yours) > 8 else "")
+                    raise ServeError(f"domain {shown(domain)} is new and this server already serves its limit of {self.limit} domains "
+                                     f"(--max-domains): send one it serves (yours: {listed}) or leave domain out",
+                                     param="domain", code="too_many_domains")
+                self.known[domain] = tenant
         return domain
 
 

@@ -268,7 +268,7 @@ class ServingCore:
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
-        domain = self._domains.admit(domain)
+        domain = self._domains.admit(domain, tenant)
         vocab = min(self.engine.runner.vocab_size, len(self.tokenizer))
         ids = encode(self.tokenizer, vocab, prompt)
         params = params or SamplingParams(max_new_tokens=None)

@@ -1,6 +1,6 @@
 """What every route of the HTTP app shares: the server's settings, who may call (API keys, the
-tenant a key or header names, the admin key), bounded request bodies, and OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``."""
+tenant a key stands for or the tenant header picks among the key's, the admin key), bounded
+request bodies, and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from onlinespec.serve.handles import NotFound, Overloaded, ServeError
 class ServerSettings:
     model_name: str = "default"  # the `model` clients send, and responses report
     aliases: tuple[str, ...] = ()  # more names clients may send (vLLM's --served-model-name a b: a is reported)
-    api_key: str | None = None  # Bearer key for /v1 routes (None: open, unless api_keys)
-    api_keys: tuple[str, ...] = ()  # several keys: each is a tenant of its own
-    tenant_header: str | None = None  # the tenant is this header's value (else the API key's, else "default")
+    api_key: str | None = None  # Bearer key for /v1 routes (None: open, unless api_keys); written as in api_keys
+    api_keys: tuple[str, ...] = ()  # several keys, each "KEY" (a tenant of its own) or "KEY TENANT[,TENANT...]" (key_entry)
+    tenant_header: str | None = None  # this header picks one of the key's tenants (an open server: any tenant); absent: the key's first
     admin_key: str | None = None  # Bearer key for /admin routes (None: the admin API is off)
     max_body_bytes: int = 1 << 20
     drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may finish
@@ -57,26 +57,49 @@ def error_response(err: ServeError, request_id: str | None = None) -> JSONRespon
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
+def key_entry(entry: str) -> tuple[str, tuple[str, ...]]:
+    """An API key as given (a line of ``--api-key-file``, ``--api-key``, ``ONLINESPEC_API_KEY``):
+    ``KEY``, a tenant of its own (:func:`onlinespec.safety.key_tenant`), or ``KEY TENANT[,TENANT...]``,
+    the tenants it may act for, the first its default. A ``ValueError`` names a tenant that is
+    not a label (never the key)."""
+    key, rest = (entry.split(None, 1) + [""])[:2]
+    if not key:
+        raise ValueError("an API key is empty: give one per line")
+    tenants = tuple(dict.fromkeys(t.strip() for t in rest.split(",") if t.strip()))
+    for tenant in tenants:
+        check_label(tenant, "an API key's tenant")
+    return key, tenants or (key_tenant(key),)
+
+
 class Access:
-    """Who may call: the API keys guard /v1 (each key a tenant of its own), the admin key /admin."""
+    """Who may call: the API keys guard /v1, each acting for its own tenants; the admin key /admin."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.keys = tuple(dict.fromkeys([*([settings.api_key] if settings.api_key else []), *settings.api_keys]))
+        self.keys: dict[str, tuple[str, ...]] = {}  # key -> the tenants it may act for, its default first
+        for key, tenants in map(key_entry, [*([settings.api_key] if settings.api_key else []), *settings.api_keys]):
+            self.keys[key] = tuple(dict.fromkeys([*self.keys.get(key, ()), *tenants]))
 
     def tenant(self, request: Request) -> str:
-        """Check the API key; return the request's tenant (docs/serve.md, "Tenants")."""
+        """Check the API key; return the request's tenant (docs/serve.md, "Tenants"): the key's
+        own, or the one the tenant header picks among the key's (403 otherwise); on an open
+        server (no keys) the header's, else ``default``."""
         given, header = request.headers.get("authorization", ""), self.settings.tenant_header
         matched = [key for key in self.keys if same_key(given, f"Bearer {key}")]  # every key compared: no early exit
         if self.keys and not matched:
             raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if header:
-            value = request.headers.get(header)
-            try:
-                return check_label(value, f"the {header} header") if value is not None else "default"
-            except ValueError as err:
-                raise ServeError(str(err), param=header, code="invalid_tenant") from None
-        return key_tenant(matched[0]) if matched else "default"
+        allowed = self.keys[matched[0]] if matched else ("default",)
+        value = request.headers.get(header) if header else None
+        if value is None:
+            return allowed[0]
+        try:
+            check_label(value, f"the {header} header")
+        except ValueError as err:
+            raise ServeError(str(err), param=header, code="invalid_tenant") from None
+        if matched and value not in allowed:  # a key acts for its own tenants only; an open server trusts its clients
+            raise Forbidden(f"the {header} header names a tenant this API key may not act for: leave the header out "
+                            f"(the key's own tenant) or name one given to this key", param=header, code="tenant_not_allowed")
+        return value
 
     def admin(self, request: Request) -> None:
         """Check the admin key (the admin API is off without one)."""
