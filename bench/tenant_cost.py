@@ -40,8 +40,8 @@ def serve(queries, tenants: int, new_tokens: int) -> dict:
     seconds = 0.0
     try:
         for i, q in enumerate(queries):
-            served = core.submit(list(q.messages) if q.messages else q.prompt, SamplingParams(temperature=0.0),
-                                 max_tokens=new_tokens, tenant=f"t{i % tenants}").result()
+            served = core.submit(list(q.messages) if q.messages else q.prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens),
+                                 tenant=f"t{i % tenants}").result()
             s = served.stats
             accepted, judged = accepted + s.accepted, judged + s.accepted + s.rejected
             sent, kept = s.by_drafter.get("suffix", (0, 0))

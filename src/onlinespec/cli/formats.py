@@ -4,7 +4,7 @@ with its measured quality and cost curve (:mod:`onlinespec.formats`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -25,7 +25,7 @@ def _source(target: str) -> Path:
 def convert(
     target: TargetOpt = "default",
     target_format: Annotated[str, typer.Option("--format", "--target-format", help="q8_0, f16, q6_k, ... or auto (compare q8_0 and f16 with the file as it is)")] = "auto",
-    acceptance: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="auto: the acceptance your traffic reaches (the server's vllm:spec_decode acceptance, or bench's)")] = None,
+    acceptance: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="auto: the acceptance your traffic reaches (the server's vllm:spec_decode acceptance, or bench's)")] = None,
     draft_ms: Annotated[float, typer.Option(min=0.0, help="auto: milliseconds per drafted token (bench's draft cost c x one step)")] = 0.5,
     clean: Annotated[bool, typer.Option("--clean", help="delete every converted copy of the target instead")] = False,
 ) -> None:

@@ -136,8 +136,8 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="require 'Authorization: Bearer KEY' on /v1 routes", envvar="ONLINESPEC_API_KEY")] = None,
     admin_key: Annotated[Optional[str], typer.Option(help="enable the admin API, behind 'Authorization: Bearer KEY'", envvar="ONLINESPEC_ADMIN_KEY")] = None,
-    api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="API keys, one per line (kept out of `ps`); each key is a tenant of its own")] = None,
-    tenant_header: Annotated[Optional[str], typer.Option(help="the tenant is this request header's value (default: the API key's)")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="API keys, one per line (kept out of `ps`): 'KEY' is a tenant of its own, 'KEY T1,T2' may act for those tenants (T1 by default)")] = None,
+    tenant_header: Annotated[Optional[str], typer.Option(help="this request header picks the tenant among those its API key may act for (default: the key's own); on an open server (no keys) it names any tenant")] = None,
     admin_key_file: Annotated[Optional[Path], typer.Option(exists=True, dir_okay=False, help="read the admin key from this file")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(help="the model name clients send (default: the target spec's name); repeat it, or separate names by commas, "
                                                                         "for several: the first is the one responses report, every one is accepted")] = None,
