@@ -30,7 +30,7 @@ from pathlib import Path
 from onlinespec.baselines import PlainLlamaCpp
 from onlinespec.benchmark import divergence_gap, machine_info
 from onlinespec.data import read_queries_jsonl
-from onlinespec.data.sources import long_prompts
+from onlinespec.data.sources import MissingDataError, long_prompts
 from onlinespec.decoding.runners.llamacpp import cpu_threads
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.factory import engine_options, make_proposer, new_decoder
@@ -47,9 +47,17 @@ def queries(args):
     subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
                     "--split", "heldout"], check=True)
     found = read_queries_jsonl(prompts)
-    if args.summaries:
-        found += [q for q in long_prompts(2 * args.summaries) if q.domain == "docs"][: args.summaries]
+    if args.summaries:  # as many as the standard library offers, up to the number asked
+        docs = next(p for n in range(2 * args.summaries, 0, -1) if (p := _long_prompts(n)) is not None)
+        found += [q for q in docs if q.domain == "docs"][: args.summaries]
     return found
+
+
+def _long_prompts(n: int):
+    try:
+        return long_prompts(n)
+    except MissingDataError:
+        return None
 
 
 def methods(fmt: str, proposers: list[str]):

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,6 @@ class Variant:
     perplexity_source: float | None = None
     perplexity: float | None = None
     quality_tokens: int = 0
-    curves: dict[str, list[float]] = field(default_factory=dict)  # file name -> ms of a forward of 1..w tokens
 
     @property
     def perplexity_rise(self) -> float | None:
@@ -186,7 +185,7 @@ def measured_variant(source: Path, fmt: str, tokens: int = QUALITY_TOKENS) -> Va
     record = path.with_suffix(".json")
     if record.exists():
         try:
-            saved = Variant(**json.loads(record.read_text()))
+            saved = Variant(**{k: v for k, v in json.loads(record.read_text()).items() if k in Variant.__dataclass_fields__})
             if saved.perplexity is not None and saved.quality_tokens >= tokens - 1 - tokens // QUALITY_WINDOW:
                 return saved
         except (OSError, ValueError, TypeError) as err:
