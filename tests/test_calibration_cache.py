@@ -51,3 +51,18 @@ def test_an_unreadable_cached_calibration_is_measured_again_and_replaced(counted
     options = engine_options(target, 3, adaptive=True)
     assert len(counted) == 2 and options["cost_curve"].max_width == 5
     assert json.loads(saved.read_text())["curve"], "the measurement replaced the unreadable file"
+
+
+def test_a_curve_measured_while_the_machine_was_busy_is_served_low_and_not_kept():
+    """Two measurements that disagree (something else ran during one) give the lower of the two,
+    flagged unsteady (calibrate then keeps it out of the cache); two that agree are steady."""
+    from onlinespec.decoding.cost_curve import CostCurve
+
+    quiet = {(1, 64): [0.010, 0.015, 0.020]}
+    busy = {(1, 64): [0.030, 0.016, 0.090]}
+    runs = iter([CostCurve(busy), CostCurve(quiet)])
+    curve, steady = api.steady_curve(lambda: next(runs))
+    assert not steady and curve.seconds == quiet
+    runs = iter([CostCurve(quiet), CostCurve({(1, 64): [0.011, 0.014, 0.021]})])
+    curve, steady = api.steady_curve(lambda: next(runs))
+    assert steady and curve.seconds == {(1, 64): [0.010, 0.014, 0.020]}

@@ -169,12 +169,14 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     server's start-up on a 2-core CPU. What they depend on is the architecture, dtype and device
     of the target, the torch build and threads, and the CPU, not its weights; so they are kept in
     ``$ONLINESPEC_CACHE/calibration/<key>.json`` under a key of exactly those, and a later start
-    on the same machine reads them back. ``ONLINESPEC_RECALIBRATE=1`` measures again (after a
-    change the key does not see: another load on the machine, a BIOS setting)."""
+    on the same machine reads them back. The curve is measured twice and kept only if both agree
+    (:func:`steady_curve`): one measured while the machine was busy would steer adaptive k wrong
+    on every later start. ``ONLINESPEC_RECALIBRATE=1`` measures again (after a change the key does
+    not see: another load on the machine, a BIOS setting)."""
     model = target.model
     parameter = next(model.parameters())
     architecture = {k: v for k, v in model.config.to_diff_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    key = {"version": 1, "architecture": architecture, "dtype": str(parameter.dtype), "device": str(parameter.device),
+    key = {"version": 2, "architecture": architecture, "dtype": str(parameter.dtype), "device": str(parameter.device),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": _cpu_name(),
            "kernels": "choose" if kernels else small_batch.enabled(model), "kernel_width": kernel_width, "max_width": max_width,
            "batches": list(batches), "contexts": list(CONTEXTS)}
@@ -203,7 +205,12 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
             log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
     chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width)[0] if kernels else small_batch.enabled(model)
-    curve = measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches, reps=reps)
+    measure = lambda: measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches, reps=reps)
+    curve, steady = steady_curve(measure) if "reps" not in key else (measure(), True)  # a quick curve is noisy anyway
+    if not steady:  # a curve measured while something else ran would steer adaptive k wrong for good: not kept
+        log.warning("the cost curve moved by more than %.0f%% between two measurements (is something else running?): "
+                    "serving with the lower of the two, not caching it; the next start measures again", 100 * CURVE_TOLERANCE)
+        return curve
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"key": key, "kernels": chosen, "curve": curve.to_dict(),
@@ -211,6 +218,21 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     except OSError as err:  # a read-only cache costs the next start a measurement, nothing else
         log.warning("the calibration could not be cached at %s: %s", path, err)
     return curve
+
+
+CURVE_TOLERANCE = 0.3  # two measurements of the cost curve that differ by more than this at any point: the machine was busy
+
+
+def steady_curve(measure) -> tuple[CostCurve, bool]:
+    """Measure the curve twice; return the point-wise lower of the two (other work only ever adds
+    time), and whether they agree within :data:`CURVE_TOLERANCE` at every point."""
+    first, second = measure(), measure()
+    lower, steady = {}, True
+    for key, costs in first.seconds.items():
+        other = second.seconds[key]
+        lower[key] = [min(a, b) for a, b in zip(costs, other)]
+        steady = steady and all(max(a, b) <= (1 + CURVE_TOLERANCE) * min(a, b) for a, b in zip(costs, other))
+    return CostCurve(lower), steady
 
 
 def _cpu_name() -> str:
