@@ -29,7 +29,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from onlinespec.safety import PRIVATE_FILE, private_dir, redacted
 
@@ -79,27 +81,69 @@ def file_lock(path: str | os.PathLike[str]):
         os.close(fd)  # closing drops the lock
 
 
-def drop_events(path: str | os.PathLike[str], request_id: str | None = None, before: float | None = None) -> int:
-    """Rewrite a JSON-lines event log durably without the lines about request ``request_id``
-    (with ``--log-text`` they hold its text) and those older than time ``before`` (a line a
-    crash cut short goes too); how many lines went."""
-    path = Path(path)
-    if not path.exists():
-        return 0
+def doomed_events(request_id: str | None = None, before: float | None = None) -> Callable[[bytes], bool]:
+    """Whether a line of an event log goes in a purge: it is about request ``request_id`` (every
+    choice and prompt of a request carries the id its client got back), it is older than time
+    ``before``, or it is not an event (a line a crash cut short)."""
 
-    def doomed(event: dict) -> bool:
+    def doomed(line: bytes) -> bool:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return True
+        if not isinstance(event, dict):
+            return True
         about = request_id is not None and request_id in (event.get("id"), event.get("request_id"))
         return about or (before is not None and event.get("time", 0) < before)
 
-    lines, kept = path.read_text().splitlines(), []
-    for line in lines:
-        try:
-            if not doomed(json.loads(line)):
-                kept.append(line)
-        except ValueError:
-            continue
-    atomic_write(path, "".join(line + "\n" for line in kept))
-    return len(lines) - len(kept)
+    return doomed
+
+
+def copy_kept(source: BinaryIO, target: BinaryIO, doomed: Callable[[bytes], bool], limit: int | None = None) -> int:
+    """Copy the lines of ``source`` from where it stands (``limit`` bytes at most) that are not
+    ``doomed`` to ``target``; how many lines were left out (a line with no newline, cut short,
+    is left out too)."""
+    dropped = consumed = 0
+    while limit is None or consumed < limit:
+        line = source.readline() if limit is None else source.readline(limit - consumed)
+        if not line:
+            break
+        consumed += len(line)
+        if line.endswith(b"\n") and not doomed(line):
+            target.write(line)
+        else:
+            dropped += 1
+    return dropped
+
+
+def drop_events(path: str | os.PathLike[str], request_id: str | None = None, before: float | None = None) -> int:
+    """Rewrite a JSON-lines event log durably without the lines about request ``request_id``
+    (with ``--log-text`` they hold its text) and those older than time ``before`` (a line a
+    crash cut short goes too); how many lines went. A file with none to drop is left as it is.
+    Nothing may append to ``path`` meanwhile: :meth:`EventLog.drop` purges a log that is open."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(path, "rb") as source, os.fdopen(fd, "wb") as target:
+            dropped = copy_kept(source, target, doomed_events(request_id, before))
+        if dropped:
+            commit(tmp, path)
+            return dropped
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    Path(tmp).unlink()
+    return 0
+
+
+def delete_stale_rewrites(path: str | os.PathLike[str]) -> None:
+    """Delete the half-written copies of event log ``path`` (and of its rotated files) that a
+    purge killed mid-way left beside it: each holds lines of the log, so none may outlive a purge."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.stem}*{path.suffix}.*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
 class EventLog:
@@ -109,7 +153,7 @@ class EventLog:
     Rotation: past ``max_bytes``, or ``max_age`` seconds after the file was started, the log
     becomes ``events.1.jsonl`` (the older ones shift up) and a new one starts; at most ``keep``
     old files are kept, and with ``retention_seconds`` an old file last written before the
-    retention cut-off goes. A purge (:meth:`drop`) reaches every file."""
+    retention cut-off goes. A purge (:meth:`drop`) reaches every file; writers go on meanwhile."""
 
     def __init__(self, path: str | os.PathLike[str], retention_seconds: float | None = None,
                  max_bytes: int = 64 << 20, max_age: float = 86_400.0, keep: int = 4) -> None:
@@ -118,7 +162,10 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.retention_seconds, self.max_bytes, self.max_age, self.keep = retention_seconds, max_bytes, max_age, keep
         self.failures = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # every writer's, held briefly
+        self._purging = threading.Lock()  # one purge at a time
+        self._hold_rotation = False  # a purge is rewriting the files: they stay where they are
+        delete_stale_rewrites(self.path)
         if retention_seconds is not None:
             for file in self.files():
                 drop_events(file, before=time.time() - retention_seconds)
@@ -140,7 +187,8 @@ class EventLog:
                 try:
                     self._file.write(json.dumps(event) + "\n")
                     self._file.flush()
-                    if self._file.tell() > self.max_bytes or time.time() - self._started > self.max_age:
+                    due = self._file.tell() > self.max_bytes or time.time() - self._started > self.max_age
+                    if due and not self._hold_rotation:  # else the first write after the purge rotates
                         self._rotate()
                 except OSError as err:
                     self.failures += 1
@@ -164,13 +212,56 @@ class EventLog:
         self._started = time.time()
 
     def drop(self, request_id: str | None = None, before: float | None = None) -> int:
-        """:func:`drop_events` on every file of this log while it is open (a purge)."""
-        with self._lock:
-            self._file.close()
+        """:func:`drop_events` on every file of this log while it is open (a purge), without
+        holding up the writers: the files are rewritten into new ones beside them while lines go
+        on being appended (rotation waits); the lock every writer needs is taken only to copy the
+        lines appended meanwhile and swap the new file in (``os.replace``). A crash at any point
+        leaves the old file or the new one, whole (the copy left behind goes at the next open)."""
+        doomed = doomed_events(request_id, before)
+        with self._purging:
+            with self._lock:
+                if self._file.closed:  # nobody writes: the plain rewrite
+                    return sum(drop_events(file, request_id, before) for file in self.files())
+                self._file.flush()
+                written = os.fstat(self._file.fileno()).st_size  # complete lines: every write holds the lock
+                self._hold_rotation = True
             try:
-                return sum(drop_events(file, request_id, before) for file in self.files())
+                rotated = [f for f in map(self._rotated, range(1, self.keep + 1)) if f.exists()]  # never written to
+                dropped = sum(drop_events(file, request_id, before) for file in rotated)
+                return dropped + self._drop_current(doomed, written)
             finally:
-                self._file = open(self.path, "a")
+                with self._lock:
+                    self._hold_rotation = False
+
+    def _drop_current(self, doomed: Callable[[bytes], bool], written: int) -> int:
+        """Rewrite the current file without the ``doomed`` lines: its first ``written`` bytes
+        without the lock, then, under it, the lines appended since; swap it in if any went."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with open(self.path, "rb") as source, os.fdopen(fd, "wb") as target:
+                dropped = copy_kept(source, target, doomed, written)
+                target.flush()
+                os.fsync(target.fileno())  # the bulk reaches the disk before the writers wait
+                with self._lock:
+                    if not self._file.closed:
+                        with contextlib.suppress(OSError):  # a full disk: that line is lost, as in write
+                            self._file.flush()
+                    dropped += copy_kept(source, target, doomed)  # the lines appended meanwhile
+                    if dropped:
+                        target.flush()
+                        os.fsync(target.fileno())
+                        os.replace(tmp, self.path)
+                        if not self._file.closed:
+                            self._file.close()
+                            self._file = open(self.path, "a")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if dropped:
+            fsync_dir(self.path.parent)  # the rename survives a power cut before the purge is acknowledged
+        else:
+            Path(tmp).unlink()
+        return dropped
 
     def close(self) -> None:
         with self._lock:

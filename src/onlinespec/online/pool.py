@@ -112,11 +112,13 @@ def purge_saved(out_dir: str | Path, request_id: str | None = None, before: floa
     recorded before ``before``), for ``onlinespec data purge``: every draft's replay buffer (its
     quarantine included) and suffix indices, the content router's far prompts, and every event
     log (the server's, each Ray replica's and learner's, rotated files included)."""
-    from onlinespec.storage import drop_events
+    from onlinespec.storage import delete_stale_rewrites, drop_events
 
     root = Path(out_dir)
     records = purge_saved_buffers(root, request_id, before)
     logs = sorted(p for pattern in ("events*.jsonl", "*/*/events*.jsonl") for p in root.glob(pattern))
+    for log in logs:
+        delete_stale_rewrites(log)  # a copy a purge killed mid-way left
     return {"records": records, "suffix_requests": purge_saved_suffix(root / "drafts", request_id, before),
             "routing_prompts": purge_saved_routing(root, request_id, before),
             "event_lines": sum(drop_events(log, request_id, before) for log in logs)}

@@ -75,17 +75,19 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
     try:
         for i, prompt in enumerate(prompts):
             for j in range(body.n):  # a prompt's first choice alone is stored for learning: the others add nothing new
-                index = i * body.n + j
+                # every choice of every prompt goes by the id the client gets back (its records, index entries and
+                # event-log lines): a purge of that id reaches them all
                 handles.append(await asyncio.to_thread(
                     core.submit, prompt, params=choice_params(params, j), domain=body.domain or "default", train=body.train and j == 0,
-                    draft=body.draft, request_id=request_id if index == 0 else f"{request_id}-{index}", notify=notify,
-                    stream=body.stream, tenant=tenant))
+                    draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant))
     except BaseException:
         for handle in handles:
             handle.cancel()
         raise
+    role, echoed = body.reply() if chat else ("assistant", "")
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name,
-                  TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n)
+                  TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n,
+                  role=role, echoed=echoed)
     headers = {"X-Request-Id": request_id}
     ignored = body.ignored_fields()
     if ignored:  # unknown fields that change nothing: said, not silently dropped
