@@ -14,13 +14,22 @@ from onlinespec.online.pool import Draft
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, Overloaded, ServeError
+from onlinespec.serve.prompts import ChatPrompt, TextPrompt, render
 from onlinespec.tokens import Prompt, encode_prompt
 
 
-def encode(tokenizer, vocab_size: int, prompt: Prompt) -> list[int]:
-    """The prompt's token ids (a chat through the tokenizer's template)."""
+def encode(tokenizer, vocab_size: int, prompt: Prompt | ChatPrompt | TextPrompt) -> list[int]:
+    """The prompt's token ids (a chat through the tokenizer's template; a request's rendering
+    options with it, :mod:`onlinespec.serve.prompts`)."""
     try:
+        if isinstance(prompt, (ChatPrompt, TextPrompt)):
+            ids = render(tokenizer, prompt)
+            if not ids:
+                raise ValueError("the prompt is empty: give at least one character of text or one chat message")
+            return ids
         return encode_prompt(tokenizer, prompt, vocab_size)
+    except ServeError:
+        raise
     except (ValueError, TypeError) as err:
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         raise ServeError(str(err), param="messages" if chat else "prompt") from None

@@ -42,6 +42,12 @@ def _rebuild_error(kind: type, message: str, attributes: dict) -> ServeError:
     return error
 
 
+class Unprocessable(ServeError):
+    """A field of the wrong type or out of range (422, naming it)."""
+
+    status = 422
+
+
 class Overloaded(ServeError):
     status, kind = 429, "rate_limit_error"
 

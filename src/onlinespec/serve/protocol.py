@@ -12,6 +12,12 @@ on the target's distribution before verification (:mod:`onlinespec.decoding.proc
 output follows the processed target exactly. The rest of vLLM's extras (:data:`VLLM_EXTRAS`) are
 a 400 unless at their neutral value.
 
+How a prompt is rendered (vLLM's ``add_generation_prompt``, ``continue_final_message``,
+``add_special_tokens``, ``chat_template_kwargs``): :mod:`onlinespec.serve.prompts`. Chat's ``echo``
+puts the last message's content before the answer when the answer continues that message's
+role (as vLLM). ``response_format`` other than ``{"type": "text"}`` (structured output) is a 400,
+not yet supported.
+
 Unknown fields: a near miss of a known one (``"Train": false``, ``"max_token"``) is a 400 that
 names the field meant, so a misspelt opt-out is never trained on; any other unknown field is
 ignored and named in the response's ``X-Ignored-Fields`` header (:meth:`_Common.ignored_fields`).
@@ -26,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from onlinespec.decoding.sampling import MAX_LOGPROBS, SamplingParams
 from onlinespec.safety import near_miss, shown
-from onlinespec.serve.handles import ServeError
+from onlinespec.serve.handles import ServeError, Unprocessable
+from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options
 
 MAX_STOP = 16  # stop sequences per request (OpenAI allows 4, vLLM any number; lm-eval tasks send up to 6 or so)
 MAX_STOP_CHARS = 1000  # characters per stop sequence
@@ -41,6 +48,7 @@ VLLM_EXTRAS: dict[str, object] = {
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "structured_outputs": None, "logits_processors": None, "functions": None, "function_call": None,
+    "chat_template": None, "documents": None,
 }
 TokenId = Annotated[int, Field(ge=0)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -48,10 +56,6 @@ Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 def _neutral(value, neutral) -> bool:
     return value == neutral or (neutral is None and value in ([], {}, 0)) or (neutral == 0 and value is None)
-
-
-class Unprocessable(ServeError):
-    status = 422
 
 
 class StreamOptions(BaseModel):
@@ -87,13 +91,20 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     prompt_logprobs: Logprobs | None = None  # vLLM's: every prompt token's log probability (and the top n)
+    response_format: dict | None = None  # {"type": "text"} alone: structured output is not supported yet
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields this request sent that change nothing (after :func:`parse`'s checks)."""
         return sorted(key for key in self.model_extra or {} if key not in VLLM_EXTRAS)
 
     def check_extras(self) -> None:
-        """400 on a near miss of a known field, or on a vLLM extra set to change the output."""
+        """400 on a near miss of a known field, on a vLLM extra set to change the output, or on
+        a ``response_format`` asking for structured output."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ServeError(f"response_format {shown(kind)} is not supported yet: structured output (json_object, json_schema) "
+                             "is not implemented by this server; leave response_format out or send {\"type\": \"text\"}",
+                             param="response_format", code="unsupported_parameter")
         known = [*type(self).model_fields, *VLLM_EXTRAS]
         for key, value in (self.model_extra or {}).items():
             if key in VLLM_EXTRAS:
@@ -169,7 +180,12 @@ class ChatRequest(_Common):
     top_logprobs: Logprobs | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    # vLLM's rendering options (onlinespec.serve.prompts) and its echo
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict | None = None  # checked by onlinespec.serve.prompts.check_template_kwargs
+    echo: bool = False
 
     def check_extras(self) -> None:
         """As :meth:`_Common.check_extras`, and ``max_completion_tokens`` (OpenAI's newer name)
@@ -186,17 +202,27 @@ class ChatRequest(_Common):
                     raise ServeError(f"messages[{i}]: unknown field {shown(key)}: did you mean {meant!r}?", param=f"messages.{i}.{key}",
                                      code="unknown_field")
 
-    def prompt(self) -> list[dict]:
+    def prompt(self) -> ChatPrompt:
+        """The messages, with how to render them (:mod:`onlinespec.serve.prompts`)."""
         if self.tools or self.tool_choice not in (None, "none"):
             raise ServeError("tools are not supported by this server", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ServeError("response_format: only {'type': 'text'} is supported", param="response_format")
         messages = [m.as_dict() for m in self.messages]
-        if messages[-1]["role"] == "assistant":
-            raise ServeError("the last message is the assistant's: end with a user (or system) message", param="messages")
+        check_chat_options(messages, self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        if messages[-1]["role"] == "assistant" and self.add_generation_prompt:
+            raise ServeError("the last message is the assistant's: end with a user (or system) message, or send "
+                             "continue_final_message: true and add_generation_prompt: false to continue it", param="messages")
         if not any(m["content"].strip() for m in messages):
             raise ServeError("every message is empty: give the model something to answer", param="messages")
-        return messages
+        return ChatPrompt(messages, self.add_generation_prompt, self.continue_final_message, self.add_special_tokens,
+                          self.chat_template_kwargs)
+
+    def reply(self) -> tuple[str, str]:
+        """The answer's role and what comes before its text: vLLM's role is the assistant's, or
+        without ``add_generation_prompt`` the last message's; ``echo`` puts the last message's
+        content first when its role is the answer's."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return role, last.as_dict()["content"] if self.echo and last.role == role else ""
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -210,9 +236,14 @@ class CompletionRequest(_Common):
     logprobs: Logprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) before a text prompt
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts (several in one request are choices of their own, prompt by prompt)."""
+    def prompts(self) -> list[TextPrompt | list[int]]:
+        """The prompts (several in one request are choices of their own, prompt by prompt); text
+        with how to tokenize it (:class:`~onlinespec.serve.prompts.TextPrompt`)."""
+        return [TextPrompt(p, self.add_special_tokens) if isinstance(p, str) else p for p in self._prompts()]
+
+    def _prompts(self) -> list[str | list[int]]:
         if self.best_of not in (None, self.n):
             raise ServeError(f"best_of = {self.best_of}: only best_of = n is served (each choice is returned)", param="best_of")
         if self.suffix:

@@ -59,6 +59,8 @@ class Shape:
     echo: bool = False
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent
     n: int = 1  # choices per prompt (they come prompt by prompt)
+    role: str = "assistant"  # chat: the answer's role (vLLM's: the last message's without add_generation_prompt)
+    echoed: str = ""  # chat: what comes before each choice's text (vLLM's echo: the last message's content)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -71,7 +73,7 @@ class Shape:
     def _choice(self, index: int, served: Served) -> dict:
         choice = {"index": index, "finish_reason": served.finish_reason, "logprobs": None}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": served.text}
+            choice["message"] = {"role": self.role, "content": self.echoed + served.text}
             if served.logprobs is not None:
                 choice["logprobs"] = {"content": self.chat_logprobs(served.logprobs)}
         else:
@@ -87,7 +89,7 @@ class Shape:
     def chunk(self, index: int = 0, text: str = "", role: bool = False, finish: Served | None = None,
               logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta = {"role": self.role, "content": self.echoed} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "finish_reason": finish.finish_reason if finish else None, "logprobs": None}
             if logprobs:
                 choice["logprobs"] = {"content": self.chat_logprobs(logprobs)}

@@ -2,7 +2,8 @@
 
 ``/tokenize`` takes ``{"model"?, "prompt"}`` (text; ``add_special_tokens``, default true) or
 ``{"model"?, "messages"}`` (a chat through the target's template; ``add_generation_prompt``,
-default true, ``continue_final_message``, ``add_special_tokens``, default false), and answers
+default true, ``continue_final_message``, ``add_special_tokens``, default false,
+``chat_template_kwargs``: :mod:`onlinespec.serve.prompts`), and answers
 ``{"count", "max_model_len", "tokens"}`` (``token_strs`` too with ``return_token_strs``): with
 the defaults, the ids a completion or chat request with that prompt is served from.
 ``/detokenize`` takes ``{"model"?, "tokens"}`` and answers ``{"prompt"}``. Same keys and error
@@ -18,9 +19,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from onlinespec.serve.handles import ServeError, Unavailable
+from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options, render
 from onlinespec.serve.protocol import Message, parse
 from onlinespec.serve.web import Access, ServerSettings, read_body
-from onlinespec.tokens import NO_CHAT_TEMPLATE
 
 
 class TokenizeRequest(BaseModel):
@@ -31,14 +32,23 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 
     def check_extras(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ServeError("give 'prompt' (text) or 'messages' (a chat), exactly one of them", param="prompt" if self.prompt is None else "messages")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ServeError("add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt false "
-                             "to continue the last message", param="continue_final_message")
+        if self.messages is not None:
+            check_chat_options([m.as_dict() for m in self.messages], self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
+
+    def rendered(self) -> ChatPrompt | TextPrompt:
+        """The prompt with the rendering options asked (vLLM's defaults: true for a prompt's
+        special tokens, false for messages')."""
+        if self.prompt is not None:
+            return TextPrompt(self.prompt, self.add_special_tokens is not False)
+        return ChatPrompt([m.as_dict() for m in self.messages], self.add_generation_prompt, self.continue_final_message,
+                          bool(self.add_special_tokens), self.chat_template_kwargs)
 
 
 class DetokenizeRequest(BaseModel):
@@ -76,7 +86,7 @@ def tokenizer_router(core, settings: ServerSettings, access: Access) -> APIRoute
     @router.post("/tokenize")
     async def tokenize(request: Request):
         body, tok = await read(request, TokenizeRequest)
-        ids = await asyncio.to_thread(encode, tok, body)
+        ids = await asyncio.to_thread(render, tok, body.rendered())
         out = {"count": len(ids), "max_model_len": getattr(core, "context", None), "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
@@ -96,18 +106,3 @@ def tokenizer_router(core, settings: ServerSettings, access: Access) -> APIRoute
         return {"version": onlinespec_version()}
 
     return router
-
-
-def encode(tokenizer, body: TokenizeRequest) -> list[int]:
-    """The prompt's ids as ``body`` asks (the defaults: as a request with it is served)."""
-    if body.prompt is not None:
-        return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
-    messages = [m.as_dict() for m in body.messages]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ServeError(NO_CHAT_TEMPLATE, param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message, tokenize=False)
-    except Exception as err:  # a template that refuses these messages (roles out of order, ...)
-        raise ServeError(f"the chat template could not render these messages: {err}", param="messages") from None
-    return tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
