@@ -457,6 +457,22 @@ def test_stop_string_of_multibyte_characters(tiny_wide, default_tokenizer, text,
     assert out.stats.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_stream_of_characters_split_across_tokens_joins_to_the_one_shot_decode(tiny_wide, default_tokenizer, k):
+    """Emoji, CJK and accented characters whose bytes fall in several tokens (and rounds): the
+    chunks join to the one-shot decode of the output, and no chunk ends inside a character."""
+    prompt = default_tokenizer("Tell me.").input_ids
+    text = " Café 你好 😀👍🏽 naïve 東京 ü😀é done"
+    continuation = default_tokenizer(text).input_ids
+    target = ForcedTarget(tiny_wide, prompt + continuation)
+    decoder = SpeculativeDecoder(target, default_tokenizer, DraftModelProposer(target) if k else None, k=k)
+    params = SamplingParams(max_new_tokens=len(continuation))
+    chunks = list(decoder.stream(prompt, params))
+    assert [t for c in chunks for t in c.token_ids] == continuation
+    assert "".join(c.text for c in chunks) == text == decoder.generate(prompt, params).text
+    assert not any(c.text.endswith("\ufffd") for c in chunks)
+
+
 def test_stop_checker_sees_a_stop_string_spread_over_many_tokens(default_tokenizer):
     """Unit level of the bug above: feeding tokens one at a time, StopChecker must finish with
     "stop" on the token that completes the emoji."""

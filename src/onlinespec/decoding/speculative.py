@@ -165,19 +165,10 @@ class RequestFailed(RuntimeError):
 
 def text_delta(request: RequestState, emitted: str) -> tuple[str, str]:
     """(the text a request's last step adds to ``emitted``, the text emitted after it): a
-    partial character, or what may be the start of a stop string, waits for the next step."""
-    text = request.stop.text()
-    if not request.finished:
-        text = hold_back(text, request.params.stop_strings)
-    return text[len(emitted):], max(emitted, text, key=len)
-
-
-def hold_back(text: str, stop_strings: tuple[str, ...]) -> str:
-    """Drop a trailing partial character, and any tail that might be the start of a stop string."""
-    text = text.rstrip("\ufffd")
-    for s in stop_strings:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                text = text[:-n]
-                break
-    return text
+    partial character, or what may be the start of a stop string, waits for the next step.
+    Reads only the new text (and the last characters a stop string could start in)."""
+    if request.finished:
+        text = request.stop.text()
+        return text[len(emitted):], max(emitted, text, key=len)
+    delta = request.stop.text_between(len(emitted), request.stop.streamable())
+    return delta, emitted + delta
