@@ -79,6 +79,10 @@ class LoadedModel:
         if self.backend == "llama.cpp":
             from onlinespec.decoding.runners.llamacpp import LlamaCppRunner
 
+            # The calling thread runs the runner's forwards. Its torch work (a draft head, the
+            # verification maths) runs single-threaded: torch's own OpenMP team, spinning after
+            # each op, would take the cores from llama.cpp's team at its barriers (docs/cpu-speculation.md).
+            torch.set_num_threads(1)
             return LlamaCppRunner(self.llama, max_rows=max_rows, context=context)
         from onlinespec.decoding.runners.torch_runner import TorchRunner
 
