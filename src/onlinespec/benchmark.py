@@ -21,7 +21,7 @@ from onlinespec.baselines import HFAssisted, PlainLlamaCpp
 from onlinespec.costmodel import estimate, expected_tokens_per_round
 from onlinespec.data import Query
 from onlinespec.decoding import kernels
-from onlinespec.decoding.engine import DEFAULT_K
+from onlinespec.decoding.proposal import DEFAULT_K
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import Generation
 from onlinespec.factory import DEFAULT_DRAFT, engine_options, make_proposer, new_decoder

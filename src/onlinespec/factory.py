@@ -36,8 +36,8 @@ import torch
 from onlinespec.decoding import kernels as small_batch
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.calibrate import CONTEXTS, CostCurve, batch_sizes, measure_cost_curve
-from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.feature_head import FeatureHead, is_feature_head
+from onlinespec.decoding.proposal import DEFAULT_K
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.proposers.feature import FeatureHeadProposer

@@ -13,8 +13,8 @@ from rich.table import Table
 
 from onlinespec.benchmark import BenchConfig
 from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, DtypeOpt, KOpt, TargetFormatOpt, TargetOpt, app, console, out, sampling_params, user_errors
-from onlinespec.decoding.engine import DEFAULT_K
 from onlinespec.decoding.feature_head import CHAIN_DEPTH, HEAD_VOCAB
+from onlinespec.decoding.proposal import DEFAULT_K
 from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.safety import command_line
 

@@ -39,18 +39,20 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget, trim
+from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget
 from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.logprobs import score
 from onlinespec.decoding.processors import apply_processors
-from onlinespec.decoding.proposers.base import DraftInput, Proposal, Proposer
+from onlinespec.decoding.proposal import DEFAULT_K, DraftInput, Proposal, trim
+from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.request import RequestState, RoundTiming, RoundTrace
 from onlinespec.decoding.runners import TargetRunner
 from onlinespec.decoding.runners.torch_runner import TorchRunner
 from onlinespec.decoding.sampling import logits_to_probs
 from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
 
-DEFAULT_K = 4  # the most proposals per round; adaptive k verifies fewer when they would not pay
+__all__ = ["DEFAULT_K", "DEFAULT_PREFILL_CHUNK", "MIN_SHARED_PREFILL", "SpeculativeEngine", "StepReport"]  # DEFAULT_K: proposal.py's
+
 DEFAULT_PREFILL_CHUNK = 256
 # prompts shorter than this prefill again rather than copy another request's cache: llama.cpp copies a
 # sequence's whole cache stream (about 90 MB for the packaged target), which costs about what a prefill

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from onlinespec.decoding.adaptive import AdaptiveK
+from onlinespec.decoding.acceptance import AdaptiveK
 from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.sampling import SamplingParams

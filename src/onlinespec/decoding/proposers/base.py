@@ -18,44 +18,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.proposal import DraftInput, Proposal
 
-
-@dataclass
-class Proposal:
-    tokens: list[int] = field(default_factory=list)
-    # [len(tokens), V]: the distribution each token was drawn from (sampling), or the draft's
-    # temperature-1 distribution (greedy, when asked for). None: each token is a point mass.
-    probs: torch.Tensor | None = None
-    forward_seconds: float = 0.0  # time spent in model forwards, for the engine's accounting
-    # The draft's own probability of each proposal (its confidence), when it has one; the
-    # adaptive-k policy calibrates it against measured acceptance.
-    confidences: list[float] | None = None
-    drafter: str = "draft"  # which drafter made it (a hybrid proposer mixes several)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
-class DraftInput:
-    """One request's part of a batched :meth:`Proposer.propose` call."""
-
-    ids: list[int]  # the request's tokens so far (prompt + generated)
-    k: int  # propose at most this many
-    params: SamplingParams
-    generator: torch.Generator | None  # the request's own: draws never depend on the batch
-    state: Any = None  # what :meth:`Proposer.start` returned for this request
-    with_probs: bool = False  # return full rows in ``Proposal.probs`` even when greedy
-    # The request's draft acceptance statistics (an AdaptiveK; None: fixed k): a proposer that
-    # can draft several ways may pick, per round, the one expected to be accepted furthest.
-    adaptive: Any = None
-    tenant: str = ""  # whose earlier requests a suffix index may draft from (SuffixIndex.match)
+__all__ = ["DraftInput", "ModelSlot", "PerRequestProposer", "Proposal", "Proposer", "SwappableDraft"]  # the values live in proposal.py
 
 
 class Proposer:

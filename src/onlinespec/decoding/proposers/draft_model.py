@@ -15,7 +15,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from onlinespec.decoding.batch_cache import cache_arg
 from onlinespec.decoding.kvcache import truncate_cache
-from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, PerRequestProposer, Proposal, SwappableDraft
+from onlinespec.decoding.proposal import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import ModelSlot, PerRequestProposer, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from onlinespec.decoding.feature_head import FeatureHead
-from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
+from onlinespec.decoding.proposal import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import ModelSlot, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
 
 

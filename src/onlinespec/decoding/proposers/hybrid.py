@@ -22,9 +22,9 @@ from dataclasses import replace
 
 import torch
 
-from onlinespec.decoding.adaptive import expected_tokens
-from onlinespec.decoding.engine import DEFAULT_K
-from onlinespec.decoding.proposers.base import DraftInput, ModelSlot, Proposal, SwappableDraft
+from onlinespec.decoding.acceptance import expected_tokens
+from onlinespec.decoding.proposal import DEFAULT_K, DraftInput, Proposal
+from onlinespec.decoding.proposers.base import ModelSlot, SwappableDraft
 from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from onlinespec.decoding.proposers.base import DraftInput, PerRequestProposer, Proposal
+from onlinespec.decoding.proposal import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import PerRequestProposer
 
 
 class NgramProposer(PerRequestProposer):

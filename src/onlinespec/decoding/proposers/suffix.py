@@ -54,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-from onlinespec.decoding.proposers.base import DraftInput, PerRequestProposer, Proposal
+from onlinespec.decoding.proposal import DraftInput, Proposal
+from onlinespec.decoding.proposers.base import PerRequestProposer
 from onlinespec.decoding.proposers.ngram import lookup
 
 ANCHOR = 2  # tokens every match starts from (a key of the anchor index)
