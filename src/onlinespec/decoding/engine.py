@@ -8,9 +8,10 @@ One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.s
    ``prefill_chunk`` tokens per step while others are decoding (a long prompt never stalls them for
    long); the last chunk waits for its first proposals;
 3. **draft** (``_draft``): each proposer drafts for all its requests in one call, as many tokens as
-   the cost model says pay at this batch size (:func:`~onlinespec.decoding.adaptive.proposal_budget`);
+   the step planner asks (:meth:`~onlinespec.decoding.planner.StepPlanner.asks`: what pays at this
+   batch size);
 4. **verify** (``_verify_batch``): ONE target forward over every running request's block (its last
-   token and its proposals, padded to the step's width, :func:`~onlinespec.decoding.adaptive.plan_step`);
+   token and its proposals, padded to the step's width, :meth:`~onlinespec.decoding.planner.StepPlanner.verify`);
    :mod:`onlinespec.decoding.verify` accepts a prefix per request and adds one token; each request
    keeps its accepted columns in the cache (the rest become holes,
    :mod:`onlinespec.decoding.batch_cache`), records its trace, and stops where it must
@@ -39,9 +40,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget
 from onlinespec.decoding.cost_curve import CostCurve
 from onlinespec.decoding.logprobs import score
+from onlinespec.decoding.planner import StepPlanner
 from onlinespec.decoding.processors import apply_processors
 from onlinespec.decoding.proposal import DEFAULT_K, DraftInput, Proposal, trim
 from onlinespec.decoding.proposers.base import Proposer
@@ -102,17 +103,19 @@ class SpeculativeEngine:
         """``target``: the runner that runs it (:mod:`onlinespec.decoding.runners`), or a Hugging
         Face model, run by a :class:`TorchRunner` with ``cost_curve`` and ``pad`` (blocks padded
         to faster widths)."""
-        if k < 0:
-            raise ValueError(f"k (proposal length) must be >= 0, got {k}")
+        self.planner = StepPlanner(k)  # the step's k decisions: drafted and verified tokens (raises on k < 0)
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.runner: TargetRunner = TorchRunner(target, cost_curve, pad) if isinstance(target, torch.nn.Module) else target
-        self.eos_token_ids, self.k, self.trace_top_k = eos_token_ids, k, trace_top_k
+        self.eos_token_ids, self.trace_top_k = eos_token_ids, trace_top_k
         self.prefill_chunk = prefill_chunk
-        self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
-        self._exploring = False  # this step verifies what it drafted, paying or not (AdaptiveK.idle_step)
         self.draft_failures = 0  # proposer calls that raised (their requests went on undrafted)
         self.shared_prefill_tokens = 0  # prompt positions copied from another request's cache (_share_prompt)
+
+    @property
+    def k(self) -> int:
+        """The most proposals per round (the planner's)."""
+        return self.planner.k
 
     @property
     def context(self) -> int:
@@ -158,7 +161,7 @@ class SpeculativeEngine:
         for r in active:
             r.new_tokens = []
         tick = time.perf_counter()
-        proposals = self._draft(joining + decoding, len(joining))
+        proposals = self._draft(joining + decoding, self.planner.asks(joining, decoding, self.runner.columns))
         report.draft_seconds = time.perf_counter() - tick
         report.context = self.runner.columns
         if decoding:
@@ -226,8 +229,7 @@ class SpeculativeEngine:
     def _verify_batch(self, decoding: list[RequestState], proposals: list[Proposal], report: StepReport) -> None:
         """ONE target forward over every running request's block (its last token and its
         proposals); each row verifies its own and keeps the columns it accepted."""
-        report.width, counts = plan_step([self._plan_row(r, p, 1) for r, p in zip(decoding, proposals)], report.context)
-        proposals = [trim(p, n) for p, n in zip(proposals, counts)]
+        report.width, proposals = self.planner.verify(decoding, proposals, 1, report.context)
         blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, proposals)]
         tick = time.perf_counter()
         logits, hidden = self.runner.forward(blocks)
@@ -252,7 +254,7 @@ class SpeculativeEngine:
         for r, proposal in zip(joining, proposals):
             self._share_prompt(r, report)
             rest = r.ids[r.prefilled:]  # the prompt, or all the text of a request recomputed
-            proposal = trim(proposal, plan_step([self._plan_row(r, proposal, len(rest))])[1][0])
+            proposal = self.planner.verify([r], [proposal], len(rest))[1][0]
             try:
                 n_accepted = self._prefill_and_verify(r, rest, proposal, report)
             except Exception as err:  # its own forward or verification: it fails alone
@@ -304,10 +306,8 @@ class SpeculativeEngine:
         r.error = f"{type(err).__name__}: {err}"
         report.failed.append(r)
 
-    def _draft(self, rows: list[RequestState], n_joining: int) -> list[Proposal]:
-        """Each proposer drafts for all its requests in one call (``rows``: the joining requests,
-        then the running ones, whose proposal length the batch's budget caps)."""
-        asks = self._asks(rows, n_joining, self._budget(rows[n_joining:]))
+    def _draft(self, rows: list[RequestState], asks: list[int]) -> list[Proposal]:
+        """Each proposer drafts for all its requests in one call, ``asks[i]`` tokens for ``rows[i]``."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             if asks[i] > 0:
@@ -319,30 +319,8 @@ class SpeculativeEngine:
                 proposals[i] = proposal
         return proposals
 
-    def _budget(self, decoding: list[RequestState]) -> int:
-        """The most proposals a running request with adaptive k sends this step: as many as pay at
-        this batch size; one, when none pays but the planner wants the drafts measured again."""
-        budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, self.runner.columns,
-                                 self._draft_cost(decoding)) if decoding else self.k
-        planner = next((r.adaptive for r in decoding if r.adaptive is not None and not r.fixed_k), None)
-        self._exploring = budget == 0 and planner is not None and planner.idle_step()
-        if self._exploring:  # measure the drafts again: this step drafts one token and verifies it
-            budget = min(self.k, 1)
-        return budget
-
-    def _asks(self, rows: list[RequestState], n_joining: int, budget: int) -> list[int]:
-        """How many tokens each request asks its proposer for: ``k``, never past the tokens it
-        has left, and for a running request with adaptive k, never past the step's budget."""
-        asks = []
-        for i, r in enumerate(rows):
-            k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
-            if r.adaptive is not None and not r.fixed_k and i >= n_joining:
-                k = min(k, budget)
-            asks.append(k)
-        return asks
-
     def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int]) -> list[Proposal]:
-        """One proposer's call for its requests, timed for the cost model; nothing if it raises
+        """One proposer's call for its requests, timed for the planner; nothing if it raises
         (drafts are advice: these requests are verified without proposals this step)."""
         inputs = [DraftInput(r.ids, k, r.params, r.generator, r.draft_state, with_probs=r.trace is not None,
                              adaptive=None if r.fixed_k else r.adaptive, tenant=r.tenant)
@@ -355,16 +333,8 @@ class SpeculativeEngine:
             self.draft_failures += 1
             return []
         drafted = [trim(proposal, k) for proposal, k in zip(drafted, asks)]  # never more than asked, whatever the proposer did
-        seconds = (time.perf_counter() - tick) / max(asks)
-        old = self._draft_step_seconds.get(id(proposer))
-        self._draft_step_seconds[id(proposer)] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        self.planner.drafted(proposer, time.perf_counter() - tick, asks)
         return drafted
-
-    def _draft_cost(self, rows: list[RequestState]) -> float:
-        return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})
-
-    def _plan_row(self, r: RequestState, proposal: Proposal, uncached: int) -> PlanRow:
-        return PlanRow(proposal, r.adaptive, use_confidence=r.params.greedy, fixed=r.fixed_k or self._exploring, uncached=uncached)
 
     def _finish_round(self, r: RequestState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, timing: RoundTiming) -> int:
         """Verify one request's block, record what it saw, emit its tokens; return the accepted count."""

@@ -1,0 +1,86 @@
+"""The step planner: how many tokens a step drafts, and how many of them it verifies.
+
+One owner for a step's k decisions (:class:`StepPlanner`); the engine keeps the loop and the
+requests' lifecycle and asks it:
+
+1. before drafting, once (:meth:`StepPlanner.asks`): how many tokens each request asks its
+   proposer for: ``k``, never past the tokens it has left, and for a running request with adaptive
+   k, never past the step's budget (:func:`~onlinespec.decoding.adaptive.proposal_budget`: ``k``
+   if speculating pays at all at this batch size, from past statistics and the drafts' measured
+   cost, else 0); a step that would draft nothing for too long explores instead, drafting one
+   token and verifying it whatever it costs (:meth:`AdaptiveK.idle_step`);
+2. after each proposer's call (:meth:`StepPlanner.drafted`): what one draft step of it cost;
+3. before each forward that verifies, once (:meth:`StepPlanner.verify`): its width and each
+   request's proposals cut to the count it verifies
+   (:func:`~onlinespec.decoding.adaptive.plan_step`); the batched forward is one question, and a
+   joining request's forward of its own (prompt and first proposals) another.
+
+It holds ``k``, per proposer the moving average of one batched draft step's seconds, and whether
+this step explores. The maths is :mod:`onlinespec.decoding.adaptive`'s, the statistics
+:mod:`onlinespec.decoding.acceptance`'s (per draft, on each request's ``adaptive``).
+"""
+
+from __future__ import annotations
+
+from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget
+from onlinespec.decoding.cost_curve import CONTEXTS
+from onlinespec.decoding.proposal import Proposal, trim
+from onlinespec.decoding.proposers.base import Proposer
+from onlinespec.decoding.request import RequestState
+
+DRAFT_COST_SMOOTHING = 0.1  # weight of a proposer call's draft-step seconds in its moving average
+
+
+class StepPlanner:
+    """A step's k decisions, and the state they carry from step to step."""
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"k (proposal length) must be >= 0, got {k}")
+        self.k = k  # the most proposals per round
+        self.exploring = False  # this step verifies what it drafted, paying or not (AdaptiveK.idle_step)
+        self._draft_step_seconds: dict[int, float] = {}  # per proposer: one batched draft step, moving average
+
+    def asks(self, joining: list[RequestState], decoding: list[RequestState], context: int) -> list[int]:
+        """Before drafting: how many tokens each of ``joining + decoding`` asks its proposer for
+        (``decoding``: the running requests, whose proposals the step's budget caps; ``context``:
+        the cache columns the batched forward will attend over)."""
+        budget = self._budget(decoding, context)
+        return [self._ask(r, None) for r in joining] + [self._ask(r, budget) for r in decoding]
+
+    def drafted(self, proposer: Proposer, seconds: float, asks: list[int]) -> None:
+        """One call of ``proposer`` drafted ``asks`` tokens for its requests in ``seconds``."""
+        step = seconds / max(asks)
+        old = self._draft_step_seconds.get(id(proposer))
+        self._draft_step_seconds[id(proposer)] = step if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * step
+
+    def verify(self, requests: list[RequestState], proposals: list[Proposal], uncached: int = 1,
+               context: int = CONTEXTS[0]) -> tuple[int, list[Proposal]]:
+        """Before one forward that verifies ``requests``' ``proposals`` (each with ``uncached``
+        tokens of its text ahead of them): its block width, and each proposal cut to what it verifies."""
+        rows = [PlanRow(p, r.adaptive, use_confidence=r.params.greedy, fixed=r.fixed_k or self.exploring, uncached=uncached)
+                for r, p in zip(requests, proposals)]
+        width, counts = plan_step(rows, context)
+        return width, [trim(p, n) for p, n in zip(proposals, counts)]
+
+    def _budget(self, decoding: list[RequestState], context: int) -> int:
+        """The most proposals a running request with adaptive k sends this step: as many as pay at
+        this batch size; one, when none pays but the drafts are due to be measured again."""
+        budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, context,
+                                 self._draft_cost(decoding)) if decoding else self.k
+        adaptive = next((r.adaptive for r in decoding if r.adaptive is not None and not r.fixed_k), None)
+        self.exploring = budget == 0 and adaptive is not None and adaptive.idle_step()
+        if self.exploring:  # measure the drafts again: this step drafts one token and verifies it
+            budget = min(self.k, 1)
+        return budget
+
+    def _ask(self, r: RequestState, budget: int | None) -> int:
+        """``k``, never past the tokens ``r`` has left, nor past ``budget`` when it has adaptive k."""
+        k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
+        if budget is not None and r.adaptive is not None and not r.fixed_k:
+            k = min(k, budget)
+        return k
+
+    def _draft_cost(self, rows: list[RequestState]) -> float:
+        """Seconds of one draft step of every proposer of ``rows`` (each drafts its rows in one call)."""
+        return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})

@@ -1,0 +1,57 @@
+"""The step planner answers the engine's k questions: what each request drafts, what a forward
+verifies, and what the drafts cost. Requests here are stand-ins carrying only what it reads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from onlinespec.decoding.acceptance import AdaptiveK
+from onlinespec.decoding.cost_curve import CostCurve
+from onlinespec.decoding.planner import StepPlanner
+from onlinespec.decoding.proposal import Proposal
+
+CHEAP = CostCurve({(1, 64): [1.0, 1.05, 1.1, 1.15], (8, 64): [2.0, 6.0, 6.5, 7.0]})  # pays at batch 1, not at 8
+
+
+def request(adaptive=None, proposer="draft", remaining=100, fixed_k=False, greedy=True):
+    return SimpleNamespace(adaptive=adaptive, proposer=proposer, fixed_k=fixed_k,
+                           stop=SimpleNamespace(remaining=remaining), params=SimpleNamespace(greedy=greedy))
+
+
+def test_running_requests_ask_what_pays_and_joining_ones_ask_k():
+    planner, adaptive = StepPlanner(3), AdaptiveK(CHEAP)
+    joining = [request(adaptive), request(adaptive, remaining=2), request(None, proposer=None)]
+    assert planner.asks(joining, [request(adaptive)], 64) == [3, 1, 0, 3]  # never past remaining - 1
+    crowd = [request(adaptive) for _ in range(8)] + [request(adaptive, fixed_k=True)]
+    assert planner.asks(joining, crowd, 64) == [3, 1, 0] + [0] * 8 + [3]  # a fixed-k request drafts whatever pays
+
+
+def test_a_draft_step_that_costs_too_much_is_not_asked_for():
+    planner, adaptive, proposer = StepPlanner(3), AdaptiveK(CHEAP), object()
+    rows = [request(adaptive, proposer=proposer)]
+    assert planner.asks([], rows, 64) == [3]
+    planner.drafted(proposer, 3.0, [3, 1])  # one draft step: 1 s, dearer than the forward it would save
+    assert planner.asks([], rows, 64) == [0]
+    for _ in range(9):  # free calls: a moving average, 0.9 of the old and 0.1 of the new
+        planner.drafted(proposer, 0.0, [3])
+    assert planner.asks([], rows, 64) == [0]  # 0.9 ** 9 s a step: one proposal pays below 0.378 s
+    planner.drafted(proposer, 0.0, [3])
+    assert planner.asks([], rows, 64) == [3]
+
+
+def test_a_step_that_drafts_nothing_for_long_explores_and_verifies_all_it_drafted():
+    adaptive = AdaptiveK(CostCurve({(1, 64): [1.0, 5.0, 6.0]}), explore_every=4)
+    planner, rows = StepPlanner(2), [request(adaptive)]
+    assert [planner.asks([], rows, 64) for _ in range(4)] == [[0], [0], [0], [1]]
+    assert planner.exploring
+    width, kept = planner.verify(rows, [Proposal([7], confidences=[0.01])], 1, 64)
+    assert width == 2 and kept[0].tokens == [7]  # verified however little it pays
+    assert planner.asks([], rows, 64) == [0] and not planner.exploring
+    assert planner.verify(rows, [Proposal([7], confidences=[0.01])], 1, 64)[0] == 1  # not exploring: plain decoding
+
+
+def test_k_below_zero_is_refused():
+    with pytest.raises(ValueError, match="k \\(proposal length\\)"):
+        StepPlanner(-1)
