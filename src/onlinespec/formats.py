@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from onlinespec.storage import cache_dir
+
 log = logging.getLogger(__name__)
 
 AS_IS, AUTO = "as-is", "auto"
@@ -83,8 +85,6 @@ def check_format(name: str) -> str:
 
 def variant_path(source: Path, fmt: str) -> Path:
     """Where the ``fmt`` copy of ``source`` lives: the cache, under the source's identity."""
-    from onlinespec.models import cache_dir
-
     source = Path(source).resolve()
     stat = source.stat()
     key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -292,8 +292,6 @@ def cost_curve_ms(path: Path, max_width: int = 8, context: int = 128, reps: int 
 
 
 def _curve_record(path: Path) -> Path:
-    from onlinespec.models import cache_dir
-
     digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:12]
     return cache_dir() / "formats" / "curves" / f"{Path(path).stem}-{digest}.json"
 

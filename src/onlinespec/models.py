@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
+
+from onlinespec.storage import cache_dir  # its old home: callers import it from here too
 
 hf_logging.disable_progress_bar()  # our own progress display is enough
 
@@ -35,11 +36,6 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TRUNCATED_PREFIX = "target-layers:"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def cache_dir() -> Path:
-    """Root of everything onlinespec caches (models, data): ``$ONLINESPEC_CACHE`` or ~/.cache/onlinespec."""
-    return Path(os.environ.get("ONLINESPEC_CACHE", Path.home() / ".cache" / "onlinespec")).expanduser()
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -35,6 +35,12 @@ from typing import BinaryIO
 
 from onlinespec.safety import PRIVATE_FILE, private_dir, redacted
 
+
+def cache_dir() -> Path:
+    """Root of everything onlinespec caches (models, data, converted formats, calibrations):
+    ``$ONLINESPEC_CACHE`` or ~/.cache/onlinespec."""
+    return Path(os.environ.get("ONLINESPEC_CACHE", Path.home() / ".cache" / "onlinespec")).expanduser()
+
 KILL_ENV = "ONLINESPEC_KILL_AT"
 
 
