@@ -335,7 +335,7 @@ def run_concurrency_bench(
         "target_alone": new_decoder(target, None, 0, {"cost_curve": options.get("cost_curve"), "pad": config.pad_verify}, max(levels)),
         "speculative": new_decoder(target, choice.proposer, config.k, options, max(levels)),
     }
-    _warm_up(decoders, None, queries[0])
+    _warm_up(decoders, {}, queries[0])
     prompts = [list(q.messages) if q.messages else q.prompt for q in queries]
     params = [_params(config, q, seed=config.seed + i) for i, q in enumerate(queries)]
     reference: list[list[int]] | None = None

@@ -88,18 +88,25 @@ def test_hybrid_prefers_a_copy_and_falls_back_to_the_head(tiny_target):
     assert drafted.drafter == "head" and len(drafted) == 2 and set(drafted.tokens) <= set(VOCAB.tolist())
 
 
+def _verified(policy, proposal: Proposal, uncached: int, use_confidence: bool) -> int:
+    """How many of one request's proposals a step verifies (the planner's answer for a batch of one)."""
+    from onlinespec.decoding.adaptive import PlanRow, plan_step
+
+    return plan_step([PlanRow(proposal, policy, use_confidence, uncached=uncached)])[1][0]
+
+
 def test_adaptive_k_sends_more_when_acceptance_is_high():
     policy = AdaptiveK([1.0, 1.05, 1.1, 1.5, 1.6], prior_weight=1.0)
     sure = Proposal([1, 2, 3, 4], confidences=[0.95, 0.9, 0.9, 0.9], drafter="head")
     unsure = Proposal([1, 2, 3, 4], confidences=[0.05, 0.05, 0.05, 0.05], drafter="head")
-    assert policy.choose(sure, 1, True) >= 2
-    assert policy.choose(unsure, 1, True) == 0
+    assert _verified(policy, sure, 1, True) >= 2
+    assert _verified(policy, unsure, 1, True) == 0
     # measured acceptance overrides an over-confident draft
     for _ in range(200):
         policy.update(sure, 0, True)
-    assert policy.choose(sure, 1, True) == 0
+    assert _verified(policy, sure, 1, True) == 0
     # a sampled round never looks at its own confidences: same choice whatever they are
-    assert policy.choose(sure, 1, False) == policy.choose(unsure, 1, False)
+    assert _verified(policy, sure, 1, False) == _verified(policy, unsure, 1, False)
 
 
 def test_save_and_load_round_trip(tiny_target, tiny_llama, tmp_path):
