@@ -220,7 +220,7 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     return curve
 
 
-CURVE_TOLERANCE = 0.3  # two measurements of the cost curve that differ by more than this at any point: the machine was busy
+CURVE_TOLERANCE = 0.5  # two measurements of the cost curve that differ by more than this at any point: the machine was busy
 
 
 def steady_curve(measure) -> tuple[CostCurve, bool]:
