@@ -167,15 +167,13 @@ def perplexity(path: Path, text: str, tokens: int = QUALITY_TOKENS, window: int 
 
 def tokenize(lib, model, text: str) -> list[int]:
     """``text`` as llama.cpp tokenizes it with ``model``'s vocabulary (no special tokens parsed)."""
-    import ctypes
-
     vocab = lib.llama_model_get_vocab(model.pointer)
     raw = text.encode()
     buffer = (lib.llama_token * (len(raw) + 8))()
     n = lib.llama_tokenize(vocab, raw, len(raw), buffer, len(buffer), True, False)
     if n < 0:
         raise FormatError("llama.cpp could not tokenize the quality text")
-    return list(buffer[:n]) if not isinstance(buffer, ctypes.Array) else [buffer[i] for i in range(n)]
+    return list(buffer[:n])
 
 
 def measured_variant(source: Path, fmt: str, tokens: int = QUALITY_TOKENS) -> Variant:

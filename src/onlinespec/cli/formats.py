@@ -59,7 +59,7 @@ def convert(
     console.print(table)
     if choice is not None:
         console.print(f"auto at acceptance {acceptance:.2f}: [bold]{choice.format}[/bold] -> {choice.path}")
-        console.print(f"serve it: onlinespec serve --target {target} --target-format auto (or --target-format {choice.format})")
+        console.print(f"serve it: onlinespec serve --target {target} --target-format auto --expected-acceptance {acceptance} (or --target-format {choice.format})")
     else:
         found = next(iter(rows.values()))
         ok = found.perplexity_rise <= formats.MAX_PERPLEXITY_RISE
