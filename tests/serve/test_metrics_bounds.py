@@ -9,7 +9,7 @@ from onlinespec.serve.metrics import KEEP_VERSIONS, ServeMetrics
 def test_spec_decode_series_of_old_versions_leave_metrics():
     metrics = ServeMetrics()
     stats = SimpleNamespace(new_tokens=5, prompt_tokens=3, finish_reason="length", seconds=0.1, queued_seconds=0.0,
-                            first_token_seconds=0.01)
+                            first_token_seconds=0.01, timings=[])
     figures = {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1]}
     sizes = []
     for i in range(1, 30):

@@ -198,6 +198,8 @@ class ServingCore:
         if config.fresh_baseline and speculative:  # learns from the requests that name it (serve --fresh-baseline)
             self.pool.open(FRESH)
         curve = options.get("cost_curve")
+        if curve is not None:
+            self.metrics.target_step(curve.cost(1, 1))  # the unit of c on /metrics
         self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
                     "max_batch": config.max_batch, "backend": self.target.backend, "device": str(self.target.device),
                     "context": self.context,

@@ -75,6 +75,18 @@ class ServeMetrics:
                                 "to score (its backlog's oldest)", registry=r)
         self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
         self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
+        # The cost model's c per drafter (Proposal.drafter: ngram, suffix, head, ...): the draft
+        # seconds per drafted token over one step of the target alone (docs/cpu-speculation.md).
+        # A batched step's draft call is shared by its rows: each row counts its share.
+        self.draft_seconds = Counter(name("draft_seconds"), "Draft-call seconds, each row's share of its step's call",
+                                     ("drafter",), registry=r)
+        self.drafted_tokens = Counter(name("drafted_tokens"), "Tokens drafted", ("drafter",), registry=r)
+        self.target_step_seconds = Gauge(name("target_step_seconds"), "One decoding step of the target alone at batch 1 "
+                                         "(the calibrated cost curve; 0 until measured)", registry=r)
+        self.draft_cost = Gauge(name("draft_cost_ratio"), "c: draft seconds per drafted token over one step of the target "
+                                "alone, since start (needs target_step_seconds)", ("drafter",), registry=r)
+        self._drafted: dict[str, list[float]] = {}  # drafter -> [seconds, tokens]
+        self._step = 0.0  # target_step_seconds' value
         self.vllm = VllmMetrics(r, model_name)
         self._versions: dict[str, str] = {}
         self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
@@ -95,7 +107,32 @@ class ServeMetrics:
         self.latency.observe(stats.seconds)
         self.queue_time.observe(stats.queued_seconds)
         self.ttft.observe(stats.first_token_seconds)
+        self._draft_costs(stats.timings[1:])
         self.vllm.request(stats, figures, max_tokens)
+
+    def target_step(self, seconds: float) -> None:
+        """One step of the target alone (batch 1, one token), the unit of c."""
+        self._step = seconds
+        self.target_step_seconds.set(seconds)
+        for drafter in self._drafted:
+            self._set_cost(drafter)
+
+    def _draft_costs(self, timings) -> None:
+        """Count a request's rounds (round 0, the prefill, excluded) into c per drafter."""
+        for t in timings:
+            if t.proposed and t.drafter:
+                seconds = t.draft_seconds / max(t.batch, 1)
+                totals = self._drafted.setdefault(t.drafter, [0.0, 0])
+                totals[0] += seconds
+                totals[1] += t.proposed
+                self.draft_seconds.labels(t.drafter).inc(seconds)
+                self.drafted_tokens.labels(t.drafter).inc(t.proposed)
+                self._set_cost(t.drafter)
+
+    def _set_cost(self, drafter: str) -> None:
+        seconds, tokens = self._drafted[drafter]
+        if self._step > 0 and tokens:
+            self.draft_cost.labels(drafter).set(seconds / tokens / self._step)
 
     def batch(self, running: int, waiting: int, kv_usage: float | None = None) -> None:
         """The engine's batch now: requests running and waiting, the share of the KV cache in use."""
