@@ -191,8 +191,13 @@ def interleave(items: Sequence, configs: Sequence) -> list[tuple]:
     """(item, config) pairs: every config on item i before item i + 1, the config that goes first
     rotating with i. This machine's speed drifts 2-3x within an hour; run back to back, one
     config's whole pass would meet a different machine than the next one's."""
+    return [(item, config) for i, item in enumerate(items) for config in rotated(configs, i)]
+
+
+def rotated(configs: Sequence, i: int) -> list:
+    """The order of the configs on item ``i`` in :func:`interleave` (the i-th rotation)."""
     configs = list(configs)
-    return [(item, configs[(i + j) % len(configs)]) for i, item in enumerate(items) for j in range(len(configs))]
+    return configs[i % len(configs):] + configs[:i % len(configs)] if configs else []
 
 
 @functools.lru_cache(maxsize=32)
