@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Self
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"  # figures and JSON that docs/*.md quote
@@ -90,11 +91,24 @@ def _log_file(log_path, name: str) -> Path:
     return Path(path)
 
 
+class Served(str):
+    """A started server's base URL ("http://127.0.0.1:PORT"), with its child ``process`` (for the
+    pid, or a SIGSTOP between blocks) and its ``log`` file."""
+
+    process: subprocess.Popen
+    log: Path
+
+    def __new__(cls, url: str, process: subprocess.Popen, log: Path) -> Self:
+        served = super().__new__(cls, url)
+        served.process, served.log = process, log
+        return served
+
+
 @contextlib.contextmanager
 def serve_onlinespec(args: Sequence[str], port: int | None = None, env: dict | None = None, ready_timeout: float = 900,
-                     log_path: str | Path | None = None) -> Iterator[str]:
+                     log_path: str | Path | None = None) -> Iterator[Served]:
     """``onlinespec serve ARGS --host 127.0.0.1 --port PORT`` (a free port unless given) in a child
-    process; yields its base URL once GET /ready answers 200. ``env`` is added to this process's
+    process; yields its base URL (a :class:`Served`) once GET /ready answers 200. ``env`` is added to this process's
     environment. Fails with the server's log tail if it exits or is not ready in time; on leaving,
     SIGTERM (a graceful drain) and SIGKILL after two minutes (:class:`onlinespec.serve.server.ServerProcess`)."""
     from onlinespec.serve.server import ServerProcess
@@ -107,7 +121,7 @@ def serve_onlinespec(args: Sequence[str], port: int | None = None, env: dict | N
         server.stop(30)
         raise RuntimeError(f"onlinespec serve {shlex.join(args)}: {error}\n{log_tail(log)}") from error
     try:
-        yield server.url
+        yield Served(server.url, server.process, log)
     finally:
         server.stop()
 
@@ -133,7 +147,7 @@ def llama_server_command(model: str | Path, port: int, parallel: int = 1, ctx_si
 
 @contextlib.contextmanager
 def serve_llama_server(model: str | Path, parallel: int = 1, ctx_size: int = 4096, threads: int = 2, extra: Sequence[str] = (),
-                       port: int | None = None, log_path: str | Path | None = None, ready_timeout: float = 300) -> Iterator[str]:
+                       port: int | None = None, log_path: str | Path | None = None, ready_timeout: float = 300) -> Iterator[Served]:
     """llama.cpp's ``llama-server`` on ``model`` (a GGUF file), as :func:`serve_onlinespec`: yields
     the base URL once GET /health answers 200; SIGINT on leaving, SIGKILL if it lingers."""
     llama_server_binary()  # its clear error before anything starts
@@ -145,13 +159,13 @@ def serve_llama_server(model: str | Path, parallel: int = 1, ctx_size: int = 409
 
 @contextlib.contextmanager
 def serve_command(command: Sequence[str], url: str, ready_path: str, log: Path, ready_timeout: float,
-                  env: dict | None = None) -> Iterator[str]:
+                  env: dict | None = None) -> Iterator[Served]:
     """Any HTTP server as a child process: ready when GET ``url + ready_path`` answers 200."""
     with open(log, "ab") as output:
         process = subprocess.Popen(list(command), stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_ready(process, url + ready_path, ready_timeout, log)
-        yield url
+        yield Served(url, process, log)
     finally:
         stop(process)
 
