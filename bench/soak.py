@@ -227,7 +227,9 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = harness.figure(1, 3, figsize=(14, 4))
     axes[0].plot(minutes, [x["rss_bytes"] / 2**20 for x in s])
     axes[0].axvline(WARM_S / 60, color="grey", ls=":", label="warm (growth measured from here)")
-    axes[0].set(title=f"server memory after warm-up:\nlast sample {summary['memory_growth_after_warm']:+.1%}, window medians {summary['memory_growth_median_windows']:+.1%}", xlabel="minutes", ylabel="RSS, MiB")
+    windows = summary.get("memory_growth_median_windows")  # older runs did not record it
+    axes[0].set(title=f"server memory after warm-up:\nlast sample {summary['memory_growth_after_warm']:+.1%}"
+                + (f", window medians {windows:+.1%}" if windows is not None else ""), xlabel="minutes", ylabel="RSS, MiB")
     axes[0].legend(fontsize=8)
     axes[1].plot(minutes, [x["metrics_lines"] for x in s])
     axes[1].set(title="/metrics size", xlabel="minutes", ylabel="lines")
