@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 from onlinespec.data.sources import MATH_ML_LANGUAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,15 +258,23 @@ def segments(rows: list) -> list[tuple[str, int, int]]:
 
 
 def report(out: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """docs/results/online-experiments.md (its figures and tables) and .json from the stages' results."""
     DOCS.mkdir(parents=True, exist_ok=True)
     replay, runs = out["replay"], out["runs"]
-    refs = [name for name in replay]
-    lines = ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",
+    refs = list(replay)
+    summary: dict = {}
+    figure4(runs, replay, refs)
+    lines = [*intro(out), *figure3(runs, replay, refs, summary), *shift_table(runs, replay, refs), *throughput(runs, replay),
+             *forgetting(out["heldout"], summary)]
+    out["must_show"] = summary
+    (DOCS / "online-experiments.md").write_text("\n".join(lines) + "\n")
+    (DOCS / "online-experiments.json").write_text(json.dumps({k: v for k, v in out.items() if k != "replay"} | {
+        "runs": {n: {k: v for k, v in r.items() if k != "requests"} for n, r in runs.items()}}, indent=1))
+    print("\n".join(lines))
+
+
+def intro(out: dict) -> list[str]:
+    return ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",
              f"Command: `python bench/online_experiments.py` ({out['settings']['date']}, 2 CPU cores, fp32 target "
              f"SmolLM2-135M-Instruct, {out['settings']['torch_threads']} serving threads). Greedy, k = {K} fixed, "
              f"{NEW_TOKENS} new tokens a request, prompts of at most {MAX_PROMPT_TOKENS} tokens from the online split.", "",
@@ -280,9 +291,10 @@ def report(out: dict) -> None:
              "and on the rest of the segment they fall to 0.37-0.55 (the 30% and 70% curves after their cut). The "
              "held-out table at the end shows the same drafts on prompts nobody trained on.", ""]
 
-    # ---- Figure 4: abrupt and gradual
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5))
-    summary = {}
+
+def figure4(runs: dict, replay: dict, refs: list[str]) -> None:
+    """Figure 4: alpha over the abrupt and the gradual stream, online and the static references."""
+    fig, axes = harness.figure(2, 1, figsize=(11, 7.5))
     for ax, name in zip(axes, ("abrupt", "gradual")):
         rows = runs[name]["requests"]
         ids = [r["id"] for r in rows]
@@ -299,14 +311,15 @@ def report(out: dict) -> None:
         ax.set_ylabel("alpha (moving average, 50)")
         ax.set_ylim(0, 0.85)
     axes[0].legend(fontsize=8, ncol=3, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(DOCS / "online-fig4.png", dpi=110)
-    plt.close(fig)
+    harness.save(fig, DOCS / "online-fig4.png", dpi=110)
 
-    # ---- Figure 3: per domain segment of the abrupt stream, moving averages restarted at each segment
+
+def figure3(runs: dict, replay: dict, refs: list[str], summary: dict) -> list[str]:
+    """Figure 3: per domain segment of the abrupt stream, moving averages restarted at each segment; its table
+    (``summary`` gets each domain's rise and catch-up)."""
     rows = runs["abrupt"]["requests"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-    lines += ["## Per domain (abrupt stream, Figure 3)", "",
+    fig, axes = harness.figure(1, 3, figsize=(13, 3.8), sharey=True)
+    lines = ["## Per domain (abrupt stream, Figure 3)", "",
               "Moving averages restarted at each segment. Rise = online alpha over the segment's last 50 requests "
               "minus its first 50. Catch-up = the first request of the segment from which the online moving average "
               "stays within 0.05 of the static draft distilled on 100% of the stream.", "",
@@ -333,10 +346,12 @@ def report(out: dict) -> None:
     axes[0].set_ylabel("alpha (moving average, 50)")
     axes[0].legend(fontsize=7)
     fig.suptitle("Online alpha per domain vs static drafts (abrupt stream)")
-    fig.tight_layout()
-    fig.savefig(DOCS / "online-fig3.png", dpi=110)
-    plt.close(fig)
-    lines += ["", "![per domain](online-fig3.png)", "", "## Shifts (Figure 4)", "", "![shifts](online-fig4.png)", "",
+    harness.save(fig, DOCS / "online-fig3.png", dpi=110)
+    return lines
+
+
+def shift_table(runs: dict, replay: dict, refs: list[str]) -> list[str]:
+    lines = ["", "![per domain](online-fig3.png)", "", "## Shifts (Figure 4)", "", "![shifts](online-fig4.png)", "",
               "| stream | domain | online (live) | " + " | ".join(refs) + " |", "|---|---|---|" + "---|" * len(refs)]
     for name in ("abrupt", "gradual"):
         rows = runs[name]["requests"]
@@ -345,11 +360,14 @@ def report(out: dict) -> None:
             online = sum(r["accepted"] for r in part) / max(1, sum(r["judged"] for r in part))
             cells = " | ".join(f"{sum(replay[ref][r['id']][0] for r in part) / max(1, sum(replay[ref][r['id']][1] for r in part)):.3f}" for ref in refs)
             lines.append(f"| {name} | {domain} | {online:.3f} | {cells} |")
+    return lines
 
-    # ---- throughput, in one run
+
+def throughput(runs: dict, replay: dict) -> list[str]:
+    """End-to-end tokens/s in the abrupt run, the replay check and the updates."""
     comparison = runs["abrupt"]["comparison"]
     tps, ratio, onoff = comparison["tokens_per_s"], comparison["median_ratio"], comparison["learning_on_vs_off"]
-    lines += ["", "## End-to-end tokens/s (abrupt stream, one run)", "",
+    lines = ["", "## End-to-end tokens/s (abrupt stream, one run)", "",
               f"Every 10th request ({comparison['n_requests']}) was served by the online system and by the static "
               "starting draft (order alternating), and after the stream, learning paused, by the static draft and the "
               "target alone again, by the same serving core. Greedy outputs "
@@ -375,10 +393,12 @@ def report(out: dict) -> None:
     published = [u for u in updates if u["version"]]
     lines += [f"Updates (abrupt): {len(updates)}, {len(published)} published; median update time "
               f"{statistics.median(u['seconds'] for u in updates):.0f} s (low priority: it runs on what serving leaves).", ""]
+    return lines
 
-    # ---- forgetting
-    held = out["heldout"]
-    lines += ["## Forgetting (held-out prompts, 40 per domain, replayed)", "",
+
+def forgetting(held: dict, summary: dict) -> list[str]:
+    """Held-out alpha per draft and domain, and the findings."""
+    lines = ["## Forgetting (held-out prompts, 40 per domain, replayed)", "",
               "| draft | " + " | ".join(DOMAIN_ORDER) + " |", "|---|" + "---|" * len(DOMAIN_ORDER)]
     for name, by in held.items():
         lines.append(f"| {name} | " + " | ".join(f"{by[d]:.3f}" for d in DOMAIN_ORDER) + " |")
@@ -405,11 +425,7 @@ def report(out: dict) -> None:
               "- **Next:** hold out a slice of every domain seen so far in the gate (not only the newest records), mix "
               "recent and older records per batch, lower the learning rate with the persistent optimizer, and rerun with the "
               "hybrid proposer (n-gram lookup carries code)."]
-    out["must_show"] = summary
-    (DOCS / "online-experiments.md").write_text("\n".join(lines) + "\n")
-    (DOCS / "online-experiments.json").write_text(json.dumps({k: v for k, v in out.items() if k != "replay"} | {
-        "runs": {n: {k: v for k, v in r.items() if k != "requests"} for n, r in runs.items()}}, indent=1))
-    print("\n".join(lines))
+    return lines
 
 
 def torch_threads() -> int:
