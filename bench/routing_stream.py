@@ -183,8 +183,8 @@ def main() -> None:
                "--concurrency", str(args.concurrency), "--interval", str(args.interval), "--max-drafts", str(args.max_drafts),
                "--stationary", str(args.stationary), "--stationary-tokens", str(args.stationary_tokens)]
     machine = harness.machine()
-    lines = [f"Command: `{shlex.join(command)}`. Machine: {machine['platform']}, {machine['cpu_model']}, {machine['torch_threads']} torch threads. "
-             f"Date: {machine['date']}.", "", "```json", json.dumps(figures, indent=1), "```"]
+    lines = [(f"Command: `{shlex.join(command)}`. Machine: {machine['platform']}, {machine['cpu_model']}, {machine['torch_threads']} torch threads. "
+             f"Date: {machine['date']}."), "", "```json", json.dumps(figures, indent=1), "```"]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     harness.write_result(args.out.with_suffix(".json"), {"machine": machine, "figures": figures}, command=command)
     print("\n".join(lines))
