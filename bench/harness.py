@@ -52,7 +52,7 @@ def utc_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def write_result(path: str | Path, payload: dict, command: Sequence[str] | None = None) -> Path:
+def write_result(path: str | Path, payload: dict, command: Sequence[str] | None = None, indent: int | None = 1) -> Path:
     """Write ``payload`` as JSON at ``path`` (parent folders made) with "command" (the command
     line that produced it: ``python`` and ``sys.argv`` unless given), "machine" and "date" added.
     Keys the payload already has win, so a ``--report-only`` rewrite keeps the measured run's."""
@@ -60,7 +60,7 @@ def write_result(path: str | Path, payload: dict, command: Sequence[str] | None 
     path.parent.mkdir(parents=True, exist_ok=True)
     line = shlex.join(command) if command is not None else shlex.join(["python", *sys.argv])
     record = {"command": line, "date": utc_now(), "machine": payload.get("machine") or machine(), **payload}
-    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(record, indent=indent, default=str) + "\n")
     return path
 
 
