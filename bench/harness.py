@@ -151,6 +151,8 @@ def serve_llama_server(model: str | Path, parallel: int = 1, ctx_size: int = 409
     """llama.cpp's ``llama-server`` on ``model`` (a GGUF file), as :func:`serve_onlinespec`: yields
     the base URL once GET /health answers 200; SIGINT on leaving, SIGKILL if it lingers."""
     llama_server_binary()  # its clear error before anything starts
+    if not Path(model).is_file():
+        raise FileNotFoundError(f"{model}: no such GGUF file (the default target's: onlinespec.models.default_gguf_path())")
     port = port or free_port()
     command = llama_server_command(model, port, parallel, ctx_size, threads, extra)
     with serve_command(command, f"http://127.0.0.1:{port}", "/health", _log_file(log_path, "llama-server"), ready_timeout) as url:
