@@ -51,3 +51,16 @@ def test_a_server_that_exits_fails_with_its_log_tail(harness, tmp_path):
     with pytest.raises(RuntimeError, match="(?s)exited with code 3.*cannot open the model file"), \
             harness.serve_command(command, "http://127.0.0.1:9", "/health", tmp_path / "server.log", ready_timeout=60):
         pass
+
+
+def test_serve_onlinespec_and_stream_chat_through_the_openai_client(harness, tiny_target_folder, tmp_path):
+    args = ["--target", str(tiny_target_folder), "--draft", "none", "--no-kernels", "--out-dir", str(tmp_path / "run")]
+    with harness.serve_onlinespec(args, env={"OMP_NUM_THREADS": "1"}, ready_timeout=180, log_path=tmp_path / "serve.log") as url:
+        assert url.startswith("http://127.0.0.1:")
+        timing = harness.stream_chat(url, "Say hello.", 6, temperature=0.0)
+        again = harness.stream_chat(url, [{"role": "user", "content": "Say hello."}], 6)
+    assert url.process.returncode is not None  # stopped on leaving
+    assert timing["tokens_from"] == "usage" and 1 <= timing["completion_tokens"] <= 6
+    assert timing["text"] == again["text"]  # greedy by default
+    assert 0 < timing["ttft_s"] <= timing["total_s"]
+    assert timing["finish_reason"] in ("stop", "length")
