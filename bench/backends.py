@@ -30,22 +30,19 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.baselines import PlainLlamaCpp
-from onlinespec.benchmark import divergence_gap, machine_info
+from onlinespec.benchmark import divergence_gap
 from onlinespec.data import read_queries_jsonl
 from onlinespec.decoding.runners.llamacpp import cpu_threads
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.factory import engine_options, make_proposer, new_decoder
 from onlinespec.models import load_target
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "backends"
-DOCS = ROOT / "docs" / "results"
+RUNS = harness.RUNS / "backends"
+DOCS = harness.RESULTS
 
 
 def llama_cpp_python(gguf: Path, lookup: int | None):
@@ -78,7 +75,7 @@ def main() -> None:
         prompts = RUNS / "heldout.jsonl"
         subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
                         "--split", "heldout"], check=True)
-        out.write_text(json.dumps(measure(read_queries_jsonl(prompts), args), indent=1))
+        harness.write_result(out, measure(read_queries_jsonl(prompts), args))
     write_report(json.loads(out.read_text()))
 
 
@@ -106,26 +103,37 @@ def measure(queries, args) -> dict:
             run_plain(llama, ids, 8)
         for decoder in ours.values():
             decoder.generate(ids, SamplingParams(max_new_tokens=8))
+    targets = {m: torch_target if "torch" in m else target for m in ours} if args.torch else dict.fromkeys(ours, target)
     rows = []
     for i, ids in enumerate(prompts):
-        row = {"id": queries[i].id, "domain": queries[i].domain, "prompt_tokens": len(ids)}
-        for method in methods[i % len(methods):] + methods[: i % len(methods)]:
-            if method in plain:
-                text, tokens, seconds = run_plain(plain[method], ids, args.max_new_tokens)
-                row[method] = {"tokens": tokens, "seconds": seconds, "text": text}
-            else:
-                g = ours[method].generate(ids, params)
-                row[method] = {"tokens": len(g.token_ids), "seconds": g.stats.seconds, "text": g.text, "ids": g.token_ids,
-                               "acceptance": g.stats.acceptance_rate, "proposed": g.stats.proposed}
-        for method in ours:
-            base = "ours alone (torch)" if "torch" in method else "ours alone (llama.cpp)"
-            same = row[method]["ids"] == row[base]["ids"]
-            row[method]["identical"] = same
-            if not same:
-                t = torch_target if "torch" in method else target
-                row[method]["gap"] = divergence_gap(t, ids, row[base]["ids"], row[method]["ids"])
-        rows.append(row)
-        print(f"[{i + 1}/{len(prompts)}] " + "  ".join(f"{m}: {row[m]['tokens'] / row[m]['seconds']:.0f}" for m in methods), flush=True)
+        rows.append(prompt_row(queries[i], ids, i, plain, ours, targets, params, args.max_new_tokens))
+        print(f"[{i + 1}/{len(prompts)}] " + "  ".join(f"{m}: {rows[-1][m]['tokens'] / rows[-1][m]['seconds']:.0f}" for m in methods), flush=True)
+    curve = ours["ours default (llama.cpp)"].adaptive_k.curve
+    return {"machine": harness.machine(), "n_prompts": len(rows), "max_new_tokens": args.max_new_tokens, "threads": cpu_threads(),
+            "summary": summarize(rows, methods, ours), "rows": rows, "cost_curve_ms": curve.milliseconds()}
+
+
+def prompt_row(query, ids: list[int], i: int, plain: dict, ours: dict, targets: dict, params, max_new_tokens: int) -> dict:
+    """Every method on one prompt, the order rotated by ``i``; each of ours checked against its backend's target alone."""
+    row = {"id": query.id, "domain": query.domain, "prompt_tokens": len(ids)}
+    for method in harness.rotated([*plain, *ours], i):
+        if method in plain:
+            text, tokens, seconds = run_plain(plain[method], ids, max_new_tokens)
+            row[method] = {"tokens": tokens, "seconds": seconds, "text": text}
+        else:
+            g = ours[method].generate(ids, params)
+            row[method] = {"tokens": len(g.token_ids), "seconds": g.stats.seconds, "text": g.text, "ids": g.token_ids,
+                           "acceptance": g.stats.acceptance_rate, "proposed": g.stats.proposed}
+    for method in ours:
+        base = "ours alone (torch)" if "torch" in method else "ours alone (llama.cpp)"
+        same = row[method]["ids"] == row[base]["ids"]
+        row[method]["identical"] = same
+        if not same:
+            row[method]["gap"] = divergence_gap(targets[method], ids, row[base]["ids"], row[method]["ids"])
+    return row
+
+
+def summarize(rows: list[dict], methods: list[str], ours: dict) -> dict:
     summary = {}
     for method in methods:
         tokens = sum(r[method]["tokens"] for r in rows)
@@ -141,10 +149,7 @@ def measure(queries, args) -> dict:
     base = summary["llama.cpp"]["tokens_per_s"]
     for entry in summary.values():
         entry["ratio_vs_llama_cpp"] = entry["tokens_per_s"] / base
-    curve = ours["ours default (llama.cpp)"].adaptive_k.curve
-    return {"command": " ".join(["python", "bench/backends.py", *sys.argv[1:]]), "machine": machine_info(), "n_prompts": len(rows),
-            "max_new_tokens": args.max_new_tokens, "threads": cpu_threads(), "summary": summary, "rows": rows,
-            "cost_curve_ms": curve.milliseconds()}
+    return summary
 
 
 def head_acceptance(args) -> None:
@@ -155,7 +160,7 @@ def head_acceptance(args) -> None:
     subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
                     "--split", "heldout"], check=True)
     queries = read_queries_jsonl(prompts)
-    out = {"command": " ".join(["python", "bench/backends.py", *sys.argv[1:]]), "machine": machine_info(), "n_prompts": len(queries)}
+    out = {"n_prompts": len(queries)}
     for backend in ("llama.cpp", "torch"):
         target = load_target("default", backend=backend, device="cpu")
         decoder = new_decoder(target, make_proposer("head", target).proposer, 2, trace_top_k=1)
@@ -171,7 +176,7 @@ def head_acceptance(args) -> None:
         out[backend] = {"alpha": accepted / proposed, "first_proposal_accepted": first / rounds, "rounds": rounds}
         print(backend, out[backend], flush=True)
     out["alpha_difference"] = out["llama.cpp"]["alpha"] - out["torch"]["alpha"]
-    (DOCS / "backends-head-acceptance.json").write_text(json.dumps(out, indent=1))
+    harness.write_result(DOCS / "backends-head-acceptance.json", out)
 
 
 def write_report(result: dict) -> None:
@@ -188,15 +193,13 @@ def write_report(result: dict) -> None:
     table = "\n".join(lines)
     (RUNS / "table.md").write_text(table + "\n")
     print(table)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = harness.figure(figsize=(9, 4))
     names = list(summary)
     ax.barh(names, [summary[m]["tokens_per_s"] for m in names], color=["#777" if "ours" not in m else "#1f77b4" for m in names])
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s (pooled over prompts, greedy, batch 1)")
     ax.set_title(f"SmolLM2-135M Q4_1 GGUF, {result['n_prompts']} held-out prompts, {result['machine']['date']}")
-    fig.tight_layout()
-    DOCS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(DOCS / "backends.png", dpi=120)
+    harness.save(fig, DOCS / "backends.png")
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+DOCS = harness.RESULTS
 
 ADMIN_KEY = "cold-start-bench"  # servers on 127.0.0.1 only: each block's end reads /admin/drafts (learning share, headroom)
 CONFIGS = {"fresh": ["--draft", "hybrid:fresh", "--router", "single"], "fresh-domain": ["--draft", "hybrid:fresh"], "packaged": ["--draft", "hybrid"], "suffix": ["--draft", "suffix"],
@@ -84,11 +85,9 @@ def online_split(n: int, domains: list[str]) -> list:
 class Paused:
     """A started server, paused (SIGSTOP) except while it serves a block."""
 
-    def __init__(self, name: str, server) -> None:
-        import openai
-
+    def __init__(self, name: str, server: harness.Served) -> None:
         self.name, self.server = name, server
-        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
+        self.client = harness.client(server, 1800)
         self.model = self.client.models.list().data[0].id
         self.rows: dict[int, dict] = {}
         self.walls: dict[int, float] = {}  # block -> seconds it took
@@ -126,21 +125,18 @@ class Paused:
             for thread in threads:
                 thread.join()
         self.walls[block] = seconds = time.perf_counter() - start
-        self.learning[block] = httpx.get(self.server.url + "/admin/drafts", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        self.learning[block] = httpx.get(self.server + "/admin/drafts", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                                          timeout=60).json()["learning"]
         return seconds
 
 
 def capacity(args, queries, out: Path) -> float:
     """The target alone's requests per second at ``--max-batch`` in flight (closed loop)."""
-    import openai
     from serve_load import run_level
 
-    from onlinespec.serve.server import ServerProcess
-
-    with ServerProcess(["--draft", "none", "--out-dir", str(out / "probe"), "--max-batch", str(args.max_batch), *args.server_args],
-                       log=out / "probe.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    with harness.serve_onlinespec(["--draft", "none", "--out-dir", str(out / "probe"), "--max-batch", str(args.max_batch), *args.server_args],
+                                  log_path=out / "probe.log") as url:
+        client = harness.client(url, 600)
         model = client.models.list().data[0].id
         level = run_level(client, model, queries, args.max_tokens, args.max_batch)
     print(f"target alone: {level['requests_per_s']:.3f} requests/s, {level['tokens_per_s']:.1f} tokens/s at {args.max_batch} in flight",
@@ -151,25 +147,21 @@ def capacity(args, queries, out: Path) -> float:
 def interleaved(names: list[str], args, queries, arrivals: list[float] | None, out: Path) -> dict:
     """Every configuration over the trace, block by block in turn; {name: (rows, updates, controller events, block walls,
     learning state at each block's end)}."""
-    from onlinespec.serve.server import ServerProcess
-
     with contextlib.ExitStack() as stack:
         servers = {}
         for name in names:
             shutil.rmtree(out / name, ignore_errors=True)  # every run starts from nothing learnt
-            process = stack.enter_context(ServerProcess(
+            served = stack.enter_context(harness.serve_onlinespec(
                 [*CONFIGS[name], "--out-dir", str(out / name), "--max-batch", str(args.max_batch), "--max-waiting", "512",
-                 "--admin-key", ADMIN_KEY,
-                 *args.server_args], log=out / f"{name}.log"))
-            stack.callback(process.process.send_signal, signal.SIGCONT)  # resumed before it is asked to stop
-            servers[name] = Paused(name, process)
+                 "--admin-key", ADMIN_KEY, *args.server_args], log_path=out / f"{name}.log"))
+            stack.callback(served.process.send_signal, signal.SIGCONT)  # resumed before it is asked to stop
+            servers[name] = Paused(name, served)
             print(f"[{name}] ready, paused", flush=True)
         n_blocks = -(-len(queries) // args.block)
         started = time.perf_counter()
         for b in range(n_blocks):
             indices = list(range(b * args.block, min(len(queries), (b + 1) * args.block)))
-            order = names[b % len(names):] + names[: b % len(names)]
-            for name in order:
+            for name in harness.rotated(names, b):
                 if name == "alone" and b % args.alone_every:
                     continue
                 seconds = servers[name].play(b, queries, indices, arrivals, args.max_tokens, args.in_flight)
@@ -239,15 +231,10 @@ def verdicts(runs: dict, n: int) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = harness.figure(1, 3, figsize=(15, 4))
     for name, run in summary["runs"].items():
         x = [int(b["requests"].split("-")[1]) for b in run["blocks"]]
-        style = dict(marker="o", label="target alone" if name == "alone" else name, ls=":" if name == "alone" else "-")
+        style = {"marker": "o", "label": "target alone" if name == "alone" else name, "ls": ":" if name == "alone" else "-"}
         if name != "alone":
             axes[0].plot(x, [b["alpha"] for b in run["blocks"]], **style)
         axes[1].plot(x, [b["tau"] for b in run["blocks"]], **style)
@@ -260,8 +247,7 @@ def plot(summary: dict, path: Path) -> None:
     load = (f"{summary['in_flight']} in flight (closed loop)" if summary.get("in_flight") else
             f"{summary['load']:.0%} of target-alone capacity, {summary['rate_per_s']:.2f} requests/s")
     fig.suptitle(f"{summary.get('domains', 'chat,code,math_ml')} at {load} ({summary['machine']['date']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -283,8 +269,6 @@ def main() -> None:
     if args.report_only:
         summary = json.loads(args.json.read_text())
     else:
-        from onlinespec.benchmark import machine_info
-
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         queries = online_split(args.n, args.domains.split(","))
@@ -309,11 +293,11 @@ def main() -> None:
         for name, run in runs.items():  # greedy: every configuration's text against the target alone's, where it served
             same = [k for k in reference if k in texts[name]]
             run["identical_to_alone"] = f"{sum(texts[name][k] == reference[k] for k in same)}/{len(same)}"
-        summary = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "n": args.n,
+        summary = {"n": args.n,
                    "load": None if args.in_flight else args.load, "in_flight": args.in_flight, "domains": args.domains,
                    "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
                    "verdicts": verdicts(runs, args.n), "runs": runs}
-        args.json.write_text(json.dumps(summary, indent=1))
+        summary = json.loads(harness.write_result(args.json, summary).read_text())
     plot(summary, args.json.with_suffix(".png"))
     print(json.dumps({"verdicts": summary.get("verdicts"), **{name: run["blocks"] for name, run in summary["runs"].items()}}, indent=1))
 

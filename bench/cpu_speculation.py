@@ -20,15 +20,17 @@ reported). Ratios are pooled tokens/s and per domain, against `llama.cpp Q4_1`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 from onlinespec.baselines import PlainLlamaCpp
-from onlinespec.benchmark import divergence_gap, machine_info
+from onlinespec.benchmark import divergence_gap
 from onlinespec.data import read_queries_jsonl
 from onlinespec.data.sources import MissingDataError, long_prompts
 from onlinespec.decoding.runners.llamacpp import cpu_threads
@@ -36,9 +38,8 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.factory import engine_options, make_proposer, new_decoder
 from onlinespec.models import load_target
 
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "cpu_speculation"
-RESULTS = ROOT / "docs" / "results"
+RUNS = harness.RUNS / "cpu_speculation"
+RESULTS = harness.RESULTS
 BASE = "llama.cpp Q4_1"
 
 
@@ -100,7 +101,7 @@ def measure(found_queries, args) -> dict:
     for i, ids in enumerate(prompts):
         q = found_queries[i]
         row = {"id": q.id, "domain": q.domain, "prompt_tokens": len(ids)}
-        for method in names[i % len(names):] + names[: i % len(names)]:
+        for method in harness.rotated(names, i):
             row[method] = run_one(method, runners[method], ids, args.max_new_tokens)
         for method in names:
             if "acceptance" in row[method] and not method.startswith("alone"):  # a draft's output against its own file's target alone
@@ -110,8 +111,7 @@ def measure(found_queries, args) -> dict:
                     row[method]["gap"] = divergence_gap(targets[method], ids, row[alone]["ids"], row[method]["ids"])
         rows.append(row)
         print(f"[{i + 1}/{len(prompts)}] {q.domain:5} " + "  ".join(f"{m}: {row[m]['tokens'] / row[m]['seconds']:.0f}" for m in names), flush=True)
-    return {"command": " ".join(["python", "bench/cpu_speculation.py", *sys.argv[1:]]), "machine": machine_info(),
-            "threads": cpu_threads(), "max_new_tokens": args.max_new_tokens, "n_prompts": len(rows),
+    return {"machine": harness.machine(), "threads": cpu_threads(), "max_new_tokens": args.max_new_tokens, "n_prompts": len(rows),
             "target_files": {m: str(t.gguf) for m, t in targets.items()}, "summary": summarize(rows, names), "rows": rows}
 
 
@@ -147,25 +147,12 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summary = result["summary"]
     domains = list(next(iter(summary.values()))["by_domain"])
     names = [m for m in summary if m != BASE]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(names)
-    for i, method in enumerate(names):
-        ax.bar([d + i * width for d in range(len(domains))], [summary[method]["by_domain"][d] for d in domains], width, label=method)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([d + 0.4 - width / 2 for d in range(len(domains))], domains)
-    ax.set_ylabel(f"tokens/s / {BASE} (plain llama.cpp, shipped file)")
-    ax.set_title(f"SmolLM2-135M, batch 1, greedy, {result['max_new_tokens']} tokens, {result['machine']['date']}")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.plot_bars(path, domains, {m: [summary[m]["by_domain"][d] for d in domains] for m in names}, hline=1.0, figsize=(10, 4.5),
+                      title=f"SmolLM2-135M, batch 1, greedy, {result['max_new_tokens']} tokens, {result['machine']['date']}",
+                      ylabel=f"tokens/s / {BASE} (plain llama.cpp, shipped file)")
 
 
 def main() -> None:
@@ -181,8 +168,7 @@ def main() -> None:
     started = time.time()
     result = measure(queries(args), args)
     result["seconds"] = round(time.time() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    harness.write_result(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(report(result))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

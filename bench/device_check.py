@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -26,13 +27,16 @@ from onlinespec.decoding.runners.torch_runner import TorchRunner
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "llama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                       num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                         "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True},
+    "llama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": False},
 }
 
 
@@ -74,7 +78,7 @@ def main() -> None:
     shapes = ["tiny"] if args.quick else ["smollm2-135m", "llama-1.1b"]
     batches = (1, 4) if args.quick else (1, 4, 8, 32)
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor(),
-              "torch": torch.__version__, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": {}}
+              "torch": torch.__version__, "dtype": args.dtype, "shapes": {}}
     for shape in shapes:
         model = build(shape, args.device, dtype)
         tick = time.perf_counter()
@@ -89,7 +93,7 @@ def main() -> None:
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        (args.out / "device-check.json").write_text(json.dumps(result, indent=1))
+        harness.write_result(args.out / "device-check.json", result)
 
 
 if __name__ == "__main__":

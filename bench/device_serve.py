@@ -32,6 +32,9 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 COLD_DOMAINS = ["chat", "code", "math_ml"]  # as bench/cold_start.py: maths in 23 languages
 
 
@@ -60,7 +63,7 @@ def bench(inputs: Path, out: Path, device: str, quick: bool) -> dict:
         print(f"  bench: {level} in flight, {method}: {figures['tokens_per_s']:.1f} tokens/s", flush=True)
 
     result = run_concurrency_bench(queries, config, levels, on_level=on_level)
-    (out / "device-bench.json").write_text(json.dumps(result, indent=1, default=str))
+    harness.write_result(out / "device-bench.json", result)
     return result
 
 
@@ -84,7 +87,7 @@ def cold_start(inputs: Path, out: Path, device: str, quick: bool, n: int) -> dic
 
     summary = run_stream(queries, config, out / "cold-run", on_request=on_request, on_status=lambda s: print("  cold start:", s, flush=True))
     result = {"summary": summary, "blocks": alpha_blocks(rows, 40)}
-    (out / "device-cold-start.json").write_text(json.dumps(result, indent=1, default=str))
+    harness.write_result(out / "device-cold-start.json", result)
     return result
 
 
@@ -118,10 +121,9 @@ def main() -> None:
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
-    info = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__}
     print(json.dumps(info), flush=True)
-    (args.out / "device-info.json").write_text(json.dumps(info))
+    harness.write_result(args.out / "device-info.json", info)
     parts = ["bench", "cold-start"] if args.what == "all" else [args.what]
     failed = False
     for part in parts:  # each part on its own: one failing leaves the other's figures
@@ -132,7 +134,7 @@ def main() -> None:
             else:
                 cold_start(args.inputs, args.out, args.device, args.quick, args.n)
             print(f"{part}: done in {time.perf_counter() - tick:.0f} s", flush=True)
-        except Exception:
+        except Exception:  # noqa: BLE001 (reported, and the next part still runs)
             failed = True
             traceback.print_exc()
             print(f"{part}: FAILED after {time.perf_counter() - tick:.0f} s", flush=True)

@@ -31,7 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+ROOT = harness.ROOT
 LEGACY_REV = "8e019d5"  # the last commit of the batch-1 engine
 
 
@@ -65,7 +68,7 @@ def compare_with_legacy(target, queries, new_tokens: int, rev: str) -> dict:
     old = legacy_engine.SpeculativeDecoder(target.model, target.tokenizer, legacy_api.make_proposer(DEFAULT_DRAFT, target).proposer,
                                            k=DEFAULT_K, **old_options)
     params, old_params = SamplingParams(max_new_tokens=new_tokens), legacy_sampling.SamplingParams(max_new_tokens=new_tokens)
-    prompt = lambda q: list(q.messages) if q.messages else q.prompt  # noqa: E731
+    prompt = lambda q: list(q.messages) if q.messages else q.prompt
     new.generate(prompt(queries[0]), SamplingParams(max_new_tokens=8))
     old.generate(prompt(queries[0]), legacy_sampling.SamplingParams(max_new_tokens=8))
     rows = []
@@ -77,8 +80,8 @@ def compare_with_legacy(target, queries, new_tokens: int, rev: str) -> dict:
             runs[name] = (len(out.token_ids), time.perf_counter() - start, out.token_ids)
         rows.append({"id": q.id, **{f"{n}_tokens": runs[n][0] for n in runs}, **{f"{n}_seconds": runs[n][1] for n in runs},
                      "identical": runs["new"][2] == runs["legacy"][2]})
-    rate = lambda rs, n: sum(r[f"{n}_tokens"] for r in rs) / sum(r[f"{n}_seconds"] for r in rs)  # noqa: E731
-    ratio = lambda rs: rate(rs, "new") / rate(rs, "legacy")  # noqa: E731
+    rate = lambda rs, n: sum(r[f"{n}_tokens"] for r in rs) / sum(r[f"{n}_seconds"] for r in rs)
+    ratio = lambda rs: rate(rs, "new") / rate(rs, "legacy")
     rng = random.Random(0)
     boot = sorted(ratio([rng.choice(rows) for _ in rows]) for _ in range(2000))
     per_prompt = sorted((r["new_tokens"] / r["new_seconds"]) / (r["legacy_tokens"] / r["legacy_seconds"]) for r in rows)
@@ -93,19 +96,19 @@ def tables(report: dict) -> str:
     legacy = report.get("legacy")
     if legacy:
         lo, hi = legacy["ratio_95ci"]
-        lines += [f"Concurrency 1, new engine / batch-1 engine at {legacy['rev']}: {legacy['new_tokens_per_s']:.1f} / "
+        lines += [(f"Concurrency 1, new engine / batch-1 engine at {legacy['rev']}: {legacy['new_tokens_per_s']:.1f} / "
                   f"{legacy['legacy_tokens_per_s']:.1f} tok/s = **{legacy['ratio']:.3f}x** (95% bootstrap interval "
                   f"{lo:.3f}-{hi:.3f}; median per prompt {legacy['median_ratio']:.3f}); identical outputs "
-                  f"{legacy['identical']}/{legacy['n']}.", ""]
+                  f"{legacy['identical']}/{legacy['n']}."), ""]
     for part in ("short", "long"):
         if part not in report:
             continue
         summary = report[part]
-        lines += [f"**{'held-out' if part == 'short' else 'long'} prompts** ({summary['n_prompts']}, "
-                  f"{summary['config']['max_new_tokens']} new tokens, greedy, fp32):", "",
-                  "| in flight | target alone tok/s | speculative tok/s | speedup | predicted | pred. error | "
+        lines += [(f"**{'held-out' if part == 'short' else 'long'} prompts** ({summary['n_prompts']}, "
+                  f"{summary['config']['max_new_tokens']} new tokens, greedy, fp32):"), "",
+                  ("| in flight | target alone tok/s | speculative tok/s | speedup | predicted | pred. error | "
                   "latency p50 / p99 s (alone) | latency p50 / p99 s (spec.) | TTFT p50 / p99 s (spec.) | alpha | tau | mean k | "
-                  "speculating share | mean batch | context | identical (alone / spec.) |",
+                  "speculating share | mean batch | context | identical (alone / spec.) |"),
                   "|" + "---|" * 16]
         for level, fig in summary["concurrency"].items():
             a, s = fig["target_alone"], fig["speculative"]
@@ -146,7 +149,7 @@ def main() -> None:
         print(tables(report))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from onlinespec.benchmark import BenchConfig, machine_info, plot_concurrency, run_concurrency_bench
+    from onlinespec.benchmark import BenchConfig, plot_concurrency, run_concurrency_bench
     from onlinespec.data import long_prompts, packaged_prompts
     from onlinespec.models import load_model
 
@@ -157,7 +160,7 @@ def main() -> None:
     target = load_model("default", "float32")
     held_out = packaged_prompts(args.n, seed=0, split="heldout")
     config = BenchConfig(max_new_tokens=args.new_tokens, hf_assisted=False)
-    report = {"command": shlex.join(["python", "bench/engine_batched.py", *sys.argv[1:]]), "machine": machine_info()}
+    report = {"command": shlex.join(["python", "bench/engine_batched.py", *sys.argv[1:]]), "machine": harness.machine()}
 
     def progress(level, method, fig):
         print(f"  concurrency {level} {method}: {fig['tokens_per_s']:.1f} tok/s, alpha {fig['acceptance_rate']:.3f}, "
@@ -174,9 +177,9 @@ def main() -> None:
         print(f"part 3: {args.long} long prompts at concurrency {levels}", flush=True)
         report["long"] = run_concurrency_bench(long_prompts(args.long), config, levels, target, on_level=progress)
         plot_concurrency(report["long"], args.out / "engine-batched-long.png")
-    (runs / "report.json").write_text(json.dumps(report, indent=2))
-    (args.out / "engine-batched.json").write_text(json.dumps({k: v for k, v in report.items() if k != "legacy"} |
-                                                            {"legacy": {k: v for k, v in report.get("legacy", {}).items() if k != "prompts"}}, indent=2))
+    harness.write_result(runs / "report.json", report)
+    harness.write_result(args.out / "engine-batched.json", {k: v for k, v in report.items() if k != "legacy"} |
+                         {"legacy": {k: v for k, v in report.get("legacy", {}).items() if k != "prompts"}})
     print(tables(report))
     print(f"wrote {runs / 'report.json'} and the plots in {args.out}")
 

@@ -16,14 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "runs" / "engine-bench"
-DOCS = ROOT / "docs" / "results"
+ROOT = harness.ROOT
+RUNS = harness.RUNS / "engine-bench"
+DOCS = harness.RESULTS
 CONFIGS = ["target-layers:2:2", "ngram:2", "ngram:4"]  # draft spec, then k after the last colon
 
 
@@ -61,10 +59,10 @@ def write_report(summaries: list[dict], args: argparse.Namespace) -> None:
     lines = [
         "# Engine benchmark: target alone vs onlinespec vs Hugging Face assisted generation",
         "",
-        f"Machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), Python {machine['python']}. Date: {machine['date']}.",
-        f"Target: the packaged default (SmolLM2-135M-Instruct, {args.dtype}). "
-        f"{summaries[0]['n_prompts']} packaged real prompts, greedy, {args.max_new_tokens} new tokens at most.",
+        (f"Machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), Python {machine['python']}. Date: {machine['date']}."),
+        (f"Target: the packaged default (SmolLM2-135M-Instruct, {args.dtype}). "
+        f"{summaries[0]['n_prompts']} packaged real prompts, greedy, {args.max_new_tokens} new tokens at most."),
         "The three methods run interleaved prompt by prompt in one process (order rotated per prompt).",
         "tokens/s = all new tokens / all seconds; `median` columns are medians of per-prompt ratios.",
         "",
@@ -86,8 +84,8 @@ def _section(s: dict) -> list[str]:
         "",
         f"Command: `{s.get('command', '').replace(str(ROOT) + '/', '')}`",
         "",
-        "| domain | n | target alone tok/s | ours tok/s | HF assisted tok/s | alpha | tau | ours / target | "
-        "median | ours / HF | median | predicted | greedy identical |",
+        ("| domain | n | target alone tok/s | ours tok/s | HF assisted tok/s | alpha | tau | ours / target | "
+        "median | ours / HF | median | predicted | greedy identical |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, fig in [("all", s), *s["domains"].items()]:
@@ -104,14 +102,14 @@ def _section(s: dict) -> list[str]:
         err = s["speedup_vs_target"] / cost["predicted_speedup"] - 1
         lines += [
             "",
-            f"Cost model from this run: alpha {cost['alpha']:.3f}, c {cost['c']:.3f}, verify pass "
+            (f"Cost model from this run: alpha {cost['alpha']:.3f}, c {cost['c']:.3f}, verify pass "
             f"{cost['verify_cost']:.2f}x a target step -> predicted speedup {cost['predicted_speedup']:.2f}x, "
             f"measured {s['speedup_vs_target']:.2f}x ({err:+.1%}); the paper's formula with verify = 1 says "
-            f"{cost['paper_predicted_speedup']:.2f}x.",
+            f"{cost['paper_predicted_speedup']:.2f}x."),
         ]
     lines += [
-        f"Engine overhead (everything outside model forwards): {spec['engine_overhead_fraction']:.2%} of request time. "
-        f"Divergent greedy outputs all near-ties: {spec.get('divergences_all_near_ties')}.",
+        (f"Engine overhead (everything outside model forwards): {spec['engine_overhead_fraction']:.2%} of request time. "
+        f"Divergent greedy outputs all near-ties: {spec.get('divergences_all_near_ties')}."),
         "",
     ]
     return lines
@@ -124,7 +122,7 @@ def _num(value, fmt: str, suffix: str = "") -> str:
 def _plot(summaries: list[dict], path: Path) -> None:
     cols = min(3, len(summaries))
     rows = (len(summaries) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    fig, axes = harness.figure(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     methods = [("target_alone", "target alone"), ("speculative", "onlinespec"), ("hf_assisted", "HF assisted")]
     for ax, s in zip(axes.flat, summaries):
         domains = ["all", *s["domains"]]
@@ -144,8 +142,7 @@ def _plot(summaries: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(summaries):]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-from onlinespec.benchmark import machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 from onlinespec.distill.step import DistillConfig
 from onlinespec.factory import DEFAULT_HEAD, fresh_head, load_head
 from onlinespec.models import load_target
@@ -43,7 +45,7 @@ from onlinespec.online.learnable import HeadDraft
 from onlinespec.online.learner import LearnerConfig
 
 ARMS = ("untrained", "packaged", "own", "shared", "own x4", "shared x4")
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+DOCS = harness.RESULTS
 
 
 def by_request(records: list) -> list[list]:
@@ -87,8 +89,7 @@ def main() -> None:
         sys.exit(f"{short}: fewer requests than --train {args.train} + --eval {args.eval}; lower them")
     trains = {d: [r for req in requests[d][: args.train] for r in req] for d in domains}
     evals = {d: [r for req in requests[d][-args.eval:] for r in req] for d in domains}
-    out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(),
-           "requests": {d: len(v) for d, v in requests.items()}, "arms": {}}
+    out = {"requests": {d: len(v) for d, v in requests.items()}, "arms": {}}
     started = time.perf_counter()
 
     def judge(arm: str, heads: dict) -> None:
@@ -110,7 +111,7 @@ def main() -> None:
     path = args.json
     if path.exists():  # arms run before (another --arms) are kept
         out["arms"] = {**json.loads(path.read_text()).get("arms", {}), **out["arms"]}
-    path.write_text(json.dumps(out, indent=1))
+    harness.write_result(path, out)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +38,9 @@ from onlinespec.distill.step import DistillConfig
 from onlinespec.drafts.train import ChainConfig, ChainTask, replay_acceptance
 from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 
 class Fusion(nn.Module):
@@ -100,7 +103,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--low", type=int, default=3, help="the low layer (hidden_states index: 0 is the embeddings)")
     parser.add_argument("--mid", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/fused-features"))
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "fused-features")
     args = parser.parse_args()
     torch.manual_seed(0)
     target = load_model("default")
@@ -129,7 +132,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW([p for p in params if p.is_floating_point() and p.requires_grad], lr=args.lr)
         starts = task.starts
         batches = (starts[torch.randint(len(starts), (args.batch,), generator=generator)].tolist() for _ in range(args.steps))
-        run_steps(head, optimizer, lambda model, opt, chunk: task.step(model, opt, chunk, DistillConfig()), batches)
+        run_steps(head, optimizer, lambda model, opt, chunk, task=task: task.step(model, opt, chunk, DistillConfig()), batches)
         scored = heldout if arm == "last" else fused_signal(heldout, held_low, held_mid, fusion)
         scores[arm] = {"head": alpha(replay_acceptance(head, scored, 4)), "hybrid": alpha(replay_acceptance(head, scored, 4, ngram=(3, 2))),
                        "seconds": time.time() - began}
@@ -145,7 +148,7 @@ def main() -> None:
     for arm, s in scores.items():
         lines.append(f"| {arm} | {s['head']:.3f} | {s['hybrid']:.3f} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(scores, indent=1))
+    harness.write_result(args.out.with_suffix(".json"), {"scores": scores})
     print("\n".join(lines))
 
 

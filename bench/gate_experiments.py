@@ -60,7 +60,8 @@ from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_sim import ngram_covered  # noqa: E402  (the rounds the hybrid drafts by n-gram lookup)
+import harness
+from online_sim import ngram_covered  # the rounds the hybrid drafts by n-gram lookup
 
 NEW_TOKENS = 48
 
@@ -168,6 +169,37 @@ def judge(head, candidate, stream, held_starts, held_requests: list, next_signal
     return entry
 
 
+def split_rows(setting: Setting, seen: int, seq_of, in_holdout, covered) -> tuple:
+    """The positions the gate holds out and those the candidate trains on, of the first ``seen`` requests."""
+    so_far = seq_of < seen
+    if setting.holdout == "requests":
+        cut = seen - max(1, round(0.2 * seen))
+        held = so_far & (seq_of >= cut)
+    elif setting.holdout == "positions":
+        held = so_far & in_holdout
+    else:
+        held = torch.zeros_like(so_far)
+    rows = so_far & ~held
+    if covered is not None:
+        rows &= ~covered
+    return held, rows
+
+
+def train_candidate(setting: Setting, head, optimizer, stream, starts, generator) -> tuple:
+    """A copy of ``head`` trained on ``starts`` (the optimizer state carried on); (candidate, its optimizer)."""
+    candidate = head.clone()
+    opt = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=setting.lr)
+    if optimizer is not None:
+        opt.load_state_dict(optimizer)
+        for group in opt.param_groups:
+            group["lr"] = setting.lr
+    steps = setting.steps if not setting.epoch_cap else max(1, min(setting.steps, math.ceil(len(starts) / setting.batch)))
+    task = ChainTask(stream, ChainConfig(generated_only=True))
+    batches = (starts[torch.randint(len(starts), (min(setting.batch, len(starts)),), generator=generator)].tolist() for _ in range(steps))
+    run_steps(candidate, opt, lambda model, o, chunk: task.step(model, o, chunk, DistillConfig()), batches)
+    return candidate, opt
+
+
 def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict:
     head = start_head.clone()
     optimizer = None
@@ -180,28 +212,9 @@ def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict
     in_holdout = torch.rand(len(full.starts), generator=torch.Generator().manual_seed(1)) < 0.2
     covered = ngram_covered(stream, full.starts) if setting.head_rows else None
     for seen in range(setting.interval, n + 1, setting.interval):
-        so_far = seq_of < seen
-        if setting.holdout == "requests":
-            cut = seen - max(1, round(0.2 * seen))
-            held = so_far & (seq_of >= cut)
-        elif setting.holdout == "positions":
-            held = so_far & in_holdout
-        else:
-            held = torch.zeros_like(so_far)
-        rows = so_far & ~held
-        if covered is not None:
-            rows &= ~covered
+        held, rows = split_rows(setting, seen, seq_of, in_holdout, covered)
         starts, held_starts = full.starts[rows], full.starts[held]
-        candidate = head.clone()
-        opt = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=setting.lr)
-        if optimizer is not None:
-            opt.load_state_dict(optimizer)
-            for group in opt.param_groups:
-                group["lr"] = setting.lr
-        steps = setting.steps if not setting.epoch_cap else max(1, min(setting.steps, math.ceil(len(starts) / setting.batch)))
-        task = ChainTask(stream, ChainConfig(generated_only=True))
-        batches = (starts[torch.randint(len(starts), (min(setting.batch, len(starts)),), generator=generator)].tolist() for _ in range(steps))
-        run_steps(candidate, opt, lambda model, o, chunk: task.step(model, o, chunk, DistillConfig()), batches)
+        candidate, opt = train_candidate(setting, head, optimizer, stream, starts, generator)
         if gate_stream is None:  # the original replay: the learner's gate only
             before, after = gate_alpha(head, stream, held_starts), gate_alpha(candidate, stream, held_starts)
             passed = after >= before
@@ -286,7 +299,7 @@ def main() -> None:
     parser.add_argument("--stream", type=int, default=100, help="online-split requests learned from")
     parser.add_argument("--heldout", type=int, default=40, help="held-out-split requests the truth is measured on")
     parser.add_argument("--only", default=None, help="comma-separated setting names (default: all)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results/gate-experiments"))
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "gate-experiments")
     parser.add_argument("--gates", action="store_true", help="score every candidate by every rule of RULES too (the next-requests gates)")
     parser.add_argument("--analyse", type=Path, default=None, help="a saved --gates JSON: print its tables, run nothing")
     args = parser.parse_args()
@@ -317,10 +330,10 @@ def main() -> None:
               f"gate agreed with the truth {r['gate_agrees_with_truth']}/{r['updates']} ({time.time() - began:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shadow = analyse(results, packaged)[0] if args.gates else []
-    args.out.with_suffix(".json").write_text(json.dumps({"packaged": packaged, "results": results}, indent=None if args.gates else 1))
+    harness.write_result(args.out.with_suffix(".json"), {"packaged": packaged, "results": results}, indent=None if args.gates else 1)
     lines = [
-        f"| hypothesis (one change from baseline) | published / candidates | candidates that helped (truth) | gate agreed with truth | "
-        f"held-out hybrid alpha (packaged {packaged['hybrid']:.3f}) | held-out head alpha (packaged {packaged['head']:.3f}) |",
+        (f"| hypothesis (one change from baseline) | published / candidates | candidates that helped (truth) | gate agreed with truth | "
+        f"held-out hybrid alpha (packaged {packaged['hybrid']:.3f}) | held-out head alpha (packaged {packaged['head']:.3f}) |"),
         "|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -330,7 +343,7 @@ def main() -> None:
         lines += ["", *shadow]
     header = (f"Command: `python bench/gate_experiments.py --domain {args.domain} --stream {args.stream} --heldout {args.heldout}"
               f"{' --gates' if args.gates else ''}`; "
-              f"{platform.platform()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.")
+              f"{platform.platform()}, {harness.utc_now()}.")
     args.out.with_suffix(".md").write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 from onlinespec.data.sources import MATH_ML_LANGUAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +57,7 @@ def pools(tokenizer, split_name: str) -> dict:
     from onlinespec.tokens import encode_prompt
 
     raw = stream_pools(DOMAIN_ORDER)
-    fits = lambda q: len(encode_prompt(tokenizer, list(q.messages) if q.messages else q.prompt)) <= MAX_PROMPT_TOKENS  # noqa: E731
+    fits = lambda q: len(encode_prompt(tokenizer, list(q.messages) if q.messages else q.prompt)) <= MAX_PROMPT_TOKENS
     return {d: [q for q in split(raw[d], split_name) if fits(q)] for d in DOMAIN_ORDER}
 
 
@@ -85,7 +88,7 @@ def teacher_signal(target, queries):
 
 def original_head(target) -> Path:
     sys.path.insert(0, str(ROOT / "bench"))
-    from table1 import WORK as TABLE1  # noqa: E402
+    from table1 import WORK as TABLE1
     from table1 import build_original
 
     folder = TABLE1 / "original"
@@ -124,7 +127,7 @@ def train_reference(target, original: Path, signal, fraction: float) -> Path:
     return out
 
 
-LEARNER = dict(update_interval=25, steps_per_update=40, batch_size=64, lr=1e-3, position_policy="verified", sampling="teacher")
+LEARNER = {"update_interval": 25, "steps_per_update": 40, "batch_size": 64, "lr": 1e-3, "position_policy": "verified", "sampling": "teacher"}
 
 
 def online_run(name: str, queries: list, original: Path, compare_every: int) -> dict:
@@ -255,34 +258,43 @@ def segments(rows: list) -> list[tuple[str, int, int]]:
 
 
 def report(out: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """docs/results/online-experiments.md (its figures and tables) and .json from the stages' results."""
     DOCS.mkdir(parents=True, exist_ok=True)
     replay, runs = out["replay"], out["runs"]
-    refs = [name for name in replay]
-    lines = ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",
-             f"Command: `python bench/online_experiments.py` ({out['settings']['date']}, 2 CPU cores, fp32 target "
+    refs = list(replay)
+    summary: dict = {}
+    figure4(runs, replay, refs)
+    lines = [*intro(out), *figure3(runs, replay, refs, summary), *shift_table(runs, replay, refs), *throughput(runs, replay),
+             *forgetting(out["heldout"], summary)]
+    out["must_show"] = summary
+    (DOCS / "online-experiments.md").write_text("\n".join(lines) + "\n")
+    (DOCS / "online-experiments.json").write_text(json.dumps({k: v for k, v in out.items() if k != "replay"} | {
+        "runs": {n: {k: v for k, v in r.items() if k != "requests"} for n, r in runs.items()}}, indent=1))
+    print("\n".join(lines))
+
+
+def intro(out: dict) -> list[str]:
+    return ["# Online speculative decoding on shifting traffic (arXiv 2310.07177, section 5, Figures 3 and 4)", "",
+             (f"Command: `python bench/online_experiments.py` ({out['settings']['date']}, 2 CPU cores, fp32 target "
              f"SmolLM2-135M-Instruct, {out['settings']['torch_threads']} serving threads). Greedy, k = {K} fixed, "
-             f"{NEW_TOKENS} new tokens a request, prompts of at most {MAX_PROMPT_TOKENS} tokens from the online split.", "",
-             "Starting draft: the chat-only feature head of Table 1 (it never saw code or maths). Online learner: "
+             f"{NEW_TOKENS} new tokens a request, prompts of at most {MAX_PROMPT_TOKENS} tokens from the online split."), "",
+             ("Starting draft: the chat-only feature head of Table 1 (it never saw code or maths). Online learner: "
              f"`{json.dumps(out['settings']['learner'])}`, in a background thread at the lowest OS priority, "
-             "window buffer of 2,000 records, gate on the newest 20%.", "",
-             "alpha is the share of judged proposals accepted, per request; curves are its moving average over the "
+             "window buffer of 2,000 records, gate on the newest 20%."), "",
+             ("alpha is the share of judged proposals accepted, per request; curves are its moving average over the "
              "last 50 requests. The online curve is measured live. Static drafts (the starting draft, and the starting "
              "draft distilled offline on the first 30/70/100% of each domain's stream requests) are scored by replaying "
              "speculative decoding over the target's greedy answers, which a test shows equal to a live fixed-k run; "
-             "the live static probes below check it on this stream.", "",
-             "**Read the static references with care.** They were distilled on the stream's own answers, so on the "
+             "the live static probes below check it on this stream."), "",
+             ("**Read the static references with care.** They were distilled on the stream's own answers, so on the "
              "requests they were trained on they recite memorised text (alpha 0.74-0.80: the flat top of each curve), "
              "and on the rest of the segment they fall to 0.37-0.55 (the 30% and 70% curves after their cut). The "
-             "held-out table at the end shows the same drafts on prompts nobody trained on.", ""]
+             "held-out table at the end shows the same drafts on prompts nobody trained on."), ""]
 
-    # ---- Figure 4: abrupt and gradual
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7.5))
-    summary = {}
+
+def figure4(runs: dict, replay: dict, refs: list[str]) -> None:
+    """Figure 4: alpha over the abrupt and the gradual stream, online and the static references."""
+    fig, axes = harness.figure(2, 1, figsize=(11, 7.5))
     for ax, name in zip(axes, ("abrupt", "gradual")):
         rows = runs[name]["requests"]
         ids = [r["id"] for r in rows]
@@ -299,17 +311,18 @@ def report(out: dict) -> None:
         ax.set_ylabel("alpha (moving average, 50)")
         ax.set_ylim(0, 0.85)
     axes[0].legend(fontsize=8, ncol=3, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(DOCS / "online-fig4.png", dpi=110)
-    plt.close(fig)
+    harness.save(fig, DOCS / "online-fig4.png", dpi=110)
 
-    # ---- Figure 3: per domain segment of the abrupt stream, moving averages restarted at each segment
+
+def figure3(runs: dict, replay: dict, refs: list[str], summary: dict) -> list[str]:
+    """Figure 3: per domain segment of the abrupt stream, moving averages restarted at each segment; its table
+    (``summary`` gets each domain's rise and catch-up)."""
     rows = runs["abrupt"]["requests"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-    lines += ["## Per domain (abrupt stream, Figure 3)", "",
-              "Moving averages restarted at each segment. Rise = online alpha over the segment's last 50 requests "
+    fig, axes = harness.figure(1, 3, figsize=(13, 3.8), sharey=True)
+    lines = ["## Per domain (abrupt stream, Figure 3)", "",
+              ("Moving averages restarted at each segment. Rise = online alpha over the segment's last 50 requests "
               "minus its first 50. Catch-up = the first request of the segment from which the online moving average "
-              "stays within 0.05 of the static draft distilled on 100% of the stream.", "",
+              "stays within 0.05 of the static draft distilled on 100% of the stream."), "",
               "| domain | online first 50 | online last 50 | rise | static start | static 30% | static 70% | static 100% | catch-up (request of 300) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for ax, (domain, a, b) in zip(axes, segments(rows)):
@@ -321,7 +334,7 @@ def report(out: dict) -> None:
             ax.plot(ref_ma[ref], label=ref, color=f"C{n}", linewidth=1)
         ax.set_title(domain)
         ax.set_xlabel("request in segment")
-        pooled = lambda pairs: sum(x for x, _ in pairs) / max(1, sum(y for _, y in pairs))  # noqa: E731
+        pooled = lambda pairs: sum(x for x, _ in pairs) / max(1, sum(y for _, y in pairs))
         first = statistics.fmean(r["acceptance_rate"] for r in seg[:50])
         last = statistics.fmean(r["acceptance_rate"] for r in seg[-50:])
         full = ref_ma["static 100% (offline)"]
@@ -333,10 +346,12 @@ def report(out: dict) -> None:
     axes[0].set_ylabel("alpha (moving average, 50)")
     axes[0].legend(fontsize=7)
     fig.suptitle("Online alpha per domain vs static drafts (abrupt stream)")
-    fig.tight_layout()
-    fig.savefig(DOCS / "online-fig3.png", dpi=110)
-    plt.close(fig)
-    lines += ["", "![per domain](online-fig3.png)", "", "## Shifts (Figure 4)", "", "![shifts](online-fig4.png)", "",
+    harness.save(fig, DOCS / "online-fig3.png", dpi=110)
+    return lines
+
+
+def shift_table(runs: dict, replay: dict, refs: list[str]) -> list[str]:
+    lines = ["", "![per domain](online-fig3.png)", "", "## Shifts (Figure 4)", "", "![shifts](online-fig4.png)", "",
               "| stream | domain | online (live) | " + " | ".join(refs) + " |", "|---|---|---|" + "---|" * len(refs)]
     for name in ("abrupt", "gradual"):
         rows = runs[name]["requests"]
@@ -345,71 +360,72 @@ def report(out: dict) -> None:
             online = sum(r["accepted"] for r in part) / max(1, sum(r["judged"] for r in part))
             cells = " | ".join(f"{sum(replay[ref][r['id']][0] for r in part) / max(1, sum(replay[ref][r['id']][1] for r in part)):.3f}" for ref in refs)
             lines.append(f"| {name} | {domain} | {online:.3f} | {cells} |")
+    return lines
 
-    # ---- throughput, in one run
+
+def throughput(runs: dict, replay: dict) -> list[str]:
+    """End-to-end tokens/s in the abrupt run, the replay check and the updates."""
     comparison = runs["abrupt"]["comparison"]
     tps, ratio, onoff = comparison["tokens_per_s"], comparison["median_ratio"], comparison["learning_on_vs_off"]
-    lines += ["", "## End-to-end tokens/s (abrupt stream, one run)", "",
-              f"Every 10th request ({comparison['n_requests']}) was served by the online system and by the static "
+    lines = ["", "## End-to-end tokens/s (abrupt stream, one run)", "",
+              (f"Every 10th request ({comparison['n_requests']}) was served by the online system and by the static "
               "starting draft (order alternating), and after the stream, learning paused, by the static draft and the "
               "target alone again, by the same serving core. Greedy outputs "
-              f"identical on {comparison['identical']}/{comparison['n_requests']}.", "",
+              f"identical on {comparison['identical']}/{comparison['n_requests']}."), "",
               "| | online | static draft | target alone |", "|---|---|---|---|",
               f"| tokens/s (pooled) | {tps['online']:.1f} | {tps['static']:.1f} | {tps['target_alone']:.1f} |",
               f"| median per-request ratio to target alone | {ratio['online/target_alone']:.2f}x | {ratio['static/target_alone']:.2f}x | 1 |",
-              "", f"Online / static, median per-request ratio: {ratio['online/static']:.2f}x. Over all "
+              "", (f"Online / static, median per-request ratio: {ratio['online/static']:.2f}x. Over all "
               f"{runs['abrupt']['summary']['n_requests']} requests the online system served "
-              f"{runs['abrupt']['summary']['tokens_per_s']:.1f} tok/s.", "",
-              "**Cost of the background learner on serving** (the same probe requests served again by the static draft "
+              f"{runs['abrupt']['summary']['tokens_per_s']:.1f} tok/s."), "",
+              ("**Cost of the background learner on serving** (the same probe requests served again by the static draft "
               "once learning was paused; fixed work, so only the learner differs): "
               f"static draft {onoff['static']:.1%} of its learning-off throughput (median per request "
               f"{onoff['static_median_ratio']:.1%}); {onoff['requests_with_learner_busy']} of {comparison['n_requests']} "
-              "probe requests ran while an update was in flight.", ""]
+              "probe requests ran while an update was in flight."), ""]
     probes = [r for r in runs["abrupt"]["requests"] if "static" in r]
     live = sum(r["static"]["accepted"] for r in probes) / max(1, sum(r["static"]["judged"] for r in probes))
     replayed = sum(replay["static (starting draft)"][r["id"]][0] for r in probes) / max(1, sum(replay["static (starting draft)"][r["id"]][1] for r in probes))
     same = sum(tuple(replay["static (starting draft)"][r["id"]]) == (r["static"]["accepted"], r["static"]["judged"]) for r in probes)
-    lines += [f"Replay check: on the {len(probes)} probe requests the static starting draft accepted {live:.3f} live and "
-              f"{replayed:.3f} replayed; (accepted, judged) identical on {same}/{len(probes)} requests.", ""]
+    lines += [(f"Replay check: on the {len(probes)} probe requests the static starting draft accepted {live:.3f} live and "
+              f"{replayed:.3f} replayed; (accepted, judged) identical on {same}/{len(probes)} requests."), ""]
     updates = runs["abrupt"]["updates"]
     published = [u for u in updates if u["version"]]
-    lines += [f"Updates (abrupt): {len(updates)}, {len(published)} published; median update time "
-              f"{statistics.median(u['seconds'] for u in updates):.0f} s (low priority: it runs on what serving leaves).", ""]
+    lines += [(f"Updates (abrupt): {len(updates)}, {len(published)} published; median update time "
+              f"{statistics.median(u['seconds'] for u in updates):.0f} s (low priority: it runs on what serving leaves)."), ""]
+    return lines
 
-    # ---- forgetting
-    held = out["heldout"]
-    lines += ["## Forgetting (held-out prompts, 40 per domain, replayed)", "",
+
+def forgetting(held: dict, summary: dict) -> list[str]:
+    """Held-out alpha per draft and domain, and the findings."""
+    lines = ["## Forgetting (held-out prompts, 40 per domain, replayed)", "",
               "| draft | " + " | ".join(DOMAIN_ORDER) + " |", "|---|" + "---|" * len(DOMAIN_ORDER)]
     for name, by in held.items():
         lines.append(f"| {name} | " + " | ".join(f"{by[d]:.3f}" for d in DOMAIN_ORDER) + " |")
     start_chat, after_code_chat = held["static (starting draft)"]["chat"], next(v for k, v in held.items() if k.startswith("online after code"))["chat"]
     lines += ["", "## Findings", "",
-              f"- **Maths, unseen by the starting head, is learnt online:** alpha {summary['math_ml']['first_50']:.3f} over the "
+              (f"- **Maths, unseen by the starting head, is learnt online:** alpha {summary['math_ml']['first_50']:.3f} over the "
               f"segment's first 50 requests, {summary['math_ml']['last_50']:.3f} over its last 50 ({summary['math_ml']['rise']:+.3f}); "
               "the static head stays near 0.15. On held-out maths prompts the final online head reaches "
-              f"{list(held.values())[-1]['math_ml']:.3f} against the starting head's {held['static (starting draft)']['math_ml']:.3f}.",
-              f"- **Code is not learnt, and chat is forgotten:** after the code segment the head is no better on code, and its "
+              f"{list(held.values())[-1]['math_ml']:.3f} against the starting head's {held['static (starting draft)']['math_ml']:.3f}."),
+              (f"- **Code is not learnt, and chat is forgotten:** after the code segment the head is no better on code, and its "
               f"held-out chat alpha fell from {start_chat:.3f} to {after_code_chat:.3f}; it never recovered on the chat segment. "
               "Every update trains on the whole window buffer with a constant learning rate of 1e-3, and the gate judges a "
-              "candidate only on the newest 20% of records, which never include the domains it may be damaging.",
-              "- **Part of the damage was a fault, now fixed:** each update built a fresh AdamW, whose first steps move every "
+              "candidate only on the newest 20% of records, which never include the domains it may be damaging."),
+              ("- **Part of the damage was a fault, now fixed:** each update built a fresh AdamW, whose first steps move every "
               "weight by about the learning rate. Simulating the code segment offline with the same schedule "
               "(`python bench/online_sim.py 25 40 64 1e-3 code [fresh]`: train on the answers so far, score the next 25 by "
               "replay), a fresh optimizer per update ends at 0.33-0.34 and a persistent one at 0.35-0.36 (the learner now "
               "carries the optimizer state on): a small part of the gap. Neither reaches the 30% reference's 0.37-0.40 on "
-              "code requests it did not see.",
-              "- **The static references are not reachable targets here:** within 0.05 of the 100% reference means reciting "
-              "answers it memorised; on held-out prompts the 100% reference scores 0.41 / 0.48 / 0.49 (code / maths / chat).",
-              "- **The learner costs serving almost nothing** at the lowest OS priority (97-98% of learning-off throughput), "
-              "but it learns slowly on 2 saturated cores: an update of 40 steps took a median 148 s, one per 40-50 requests.",
-              "- **Next:** hold out a slice of every domain seen so far in the gate (not only the newest records), mix "
+              "code requests it did not see."),
+              ("- **The static references are not reachable targets here:** within 0.05 of the 100% reference means reciting "
+              "answers it memorised; on held-out prompts the 100% reference scores 0.41 / 0.48 / 0.49 (code / maths / chat)."),
+              ("- **The learner costs serving almost nothing** at the lowest OS priority (97-98% of learning-off throughput), "
+              "but it learns slowly on 2 saturated cores: an update of 40 steps took a median 148 s, one per 40-50 requests."),
+              ("- **Next:** hold out a slice of every domain seen so far in the gate (not only the newest records), mix "
               "recent and older records per batch, lower the learning rate with the persistent optimizer, and rerun with the "
-              "hybrid proposer (n-gram lookup carries code)."]
-    out["must_show"] = summary
-    (DOCS / "online-experiments.md").write_text("\n".join(lines) + "\n")
-    (DOCS / "online-experiments.json").write_text(json.dumps({k: v for k, v in out.items() if k != "replay"} | {
-        "runs": {n: {k: v for k, v in r.items() if k != "requests"} for n, r in runs.items()}}, indent=1))
-    print("\n".join(lines))
+              "hybrid proposer (n-gram lookup carries code).")]
+    return lines
 
 
 def torch_threads() -> int:

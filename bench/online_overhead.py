@@ -20,11 +20,14 @@ forward, and what each drafter proposed and got accepted.
 
 import argparse
 import copy
-import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.data.sources import packaged_prompts
 from onlinespec.decoding.engine import DEFAULT_K
@@ -35,6 +38,43 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.recorder import records_from_generation
 
 MODES = ("plain", "index", "online")
+
+
+def serve_mode(decoder, mode: str, chunk, prompts, params, buffer, row: dict) -> list:
+    """One round in one mode: its tokens/s (the online mode's records built and written durably
+    counted in), tau and drafters into ``row``; the outputs' token ids."""
+    tick = time.perf_counter()
+    outs = decoder.generate_many(prompts, params, trace=mode == "online")
+    serving = time.perf_counter() - tick
+    if mode == "online":
+        tick = time.perf_counter()
+        records = [rec for q, out in zip(chunk, outs) for rec in records_from_generation(out, "verified", "teacher", q.domain, q.id)]
+        built = time.perf_counter() - tick
+        tick = time.perf_counter()
+        for record in records:
+            buffer.add(record)
+        row.update(traced_s=serving, records_s=built, writes_s=time.perf_counter() - tick)
+        serving += built + row["writes_s"]
+    drafters: dict[str, list[int]] = {}
+    for o in outs:
+        for name, (sent, kept) in o.stats.by_drafter.items():
+            tally = drafters.setdefault(name, [0, 0])
+            tally[0], tally[1] = tally[0] + sent, tally[1] + kept
+    new = sum(len(o.token_ids) for o in outs)
+    row[mode] = {"tokens_per_s": new / serving, "tau": new / max(1, sum(o.stats.rounds for o in outs)), "drafters": drafters}
+    return [o.token_ids for o in outs]
+
+
+def summary(rows: list[dict], modes: list[str], args, backend: str) -> None:
+    print(f"{backend}, {args.in_flight} in flight, {args.rounds} rounds of {args.per_round} requests ({args.domains}), "
+          f"48 new tokens, default hybrid (medians over rounds):")
+    for m in modes:
+        ratio = "" if m == "plain" else f", per-round ratio to plain {statistics.median(r[m]['tokens_per_s'] / r['plain']['tokens_per_s'] for r in rows):.3f}"
+        print(f"  {m}: {statistics.median(r[m]['tokens_per_s'] for r in rows):.1f} tok/s, tau {statistics.median(r[m]['tau'] for r in rows):.3f}{ratio}")
+    if "online" in modes:
+        print(f"  online, per round: serving traced {statistics.median(r['traced_s'] for r in rows):.2f} s, building records "
+              f"{statistics.median(r['records_s'] for r in rows) * 1e3:.0f} ms, durable buffer writes "
+              f"{statistics.median(r['writes_s'] for r in rows) * 1e3:.0f} ms")
 
 
 def main() -> None:
@@ -64,30 +104,10 @@ def main() -> None:
         chunk = queries[r * args.per_round:(r + 1) * args.per_round]
         prompts = [list(q.messages) if q.messages else q.prompt for q in chunk]
         row: dict = {"round": r + 1, "index_requests": len(index) if index is not None else 0}
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
         texts = {}
-        for mode in order:
+        for mode in harness.rotated(modes, r):
             decoder.proposer, decoder.adaptive_k = drafts[mode]
-            tick = time.perf_counter()
-            outs = decoder.generate_many(prompts, params, trace=mode == "online")
-            serving = time.perf_counter() - tick
-            if mode == "online":
-                tick = time.perf_counter()
-                records = [rec for q, out in zip(chunk, outs) for rec in records_from_generation(out, "verified", "teacher", q.domain, q.id)]
-                built = time.perf_counter() - tick
-                tick = time.perf_counter()
-                for record in records:
-                    buffer.add(record)
-                row.update(traced_s=serving, records_s=built, writes_s=time.perf_counter() - tick)
-                serving += built + row["writes_s"]
-            texts[mode] = [o.token_ids for o in outs]
-            drafters: dict[str, list[int]] = {}
-            for o in outs:
-                for name, (sent, kept) in o.stats.by_drafter.items():
-                    tally = drafters.setdefault(name, [0, 0])
-                    tally[0], tally[1] = tally[0] + sent, tally[1] + kept
-            new = sum(len(o.token_ids) for o in outs)
-            row[mode] = {"tokens_per_s": new / serving, "tau": new / max(1, sum(o.stats.rounds for o in outs)), "drafters": drafters}
+            texts[mode] = serve_mode(decoder, mode, chunk, prompts, params, buffer, row)
         if index is not None:
             for q, tokens in zip(chunk, texts["plain"]):
                 index.add(decoder.encode(list(q.messages) if q.messages else q.prompt) + tokens, q.id)
@@ -95,17 +115,9 @@ def main() -> None:
         rows.append(row)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {row[m]['tokens_per_s']:.1f} tok/s (tau {row[m]['tau']:.2f})" for m in modes)
               + "".join(f"; {m} {row[m]['drafters']}" for m in modes), flush=True)
-    print(f"{target.backend}, {args.in_flight} in flight, {args.rounds} rounds of {args.per_round} requests ({args.domains}), "
-          f"48 new tokens, default hybrid (medians over rounds):")
-    for m in modes:
-        ratio = "" if m == "plain" else f", per-round ratio to plain {statistics.median(r[m]['tokens_per_s'] / r['plain']['tokens_per_s'] for r in rows):.3f}"
-        print(f"  {m}: {statistics.median(r[m]['tokens_per_s'] for r in rows):.1f} tok/s, tau {statistics.median(r[m]['tau'] for r in rows):.3f}{ratio}")
-    if "online" in modes:
-        print(f"  online, per round: serving traced {statistics.median(r['traced_s'] for r in rows):.2f} s, building records "
-              f"{statistics.median(r['records_s'] for r in rows) * 1e3:.0f} ms, durable buffer writes "
-              f"{statistics.median(r['writes_s'] for r in rows) * 1e3:.0f} ms")
+    summary(rows, modes, args, target.backend)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "backend": target.backend, "rounds": rows}, indent=1))
+        harness.write_result(args.json, {"args": vars(args) | {"json": str(args.json)}, "backend": target.backend, "rounds": rows})
 
 
 if __name__ == "__main__":

@@ -41,15 +41,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_experiments import DOMAIN_ORDER, NEW_TOKENS, K, pools, serve_cached, streams, teacher_signal  # noqa: E402
+import harness
+from online_experiments import DOMAIN_ORDER, NEW_TOKENS, K, pools, serve_cached, streams, teacher_signal
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "results"
-WORK = ROOT / "runs" / "online-reference"
+DOCS = harness.RESULTS
+WORK = harness.RUNS / "online-reference"
 NGRAM = (3, 2)  # the default hybrid's n-gram lookup (max, min)
 WINDOW = 50  # moving average, as the paper plots alpha
 TOLERANCE = 0.05
-LEARNER = dict(update_interval=10, position_policy="verified")  # the demo's learner; the rest are defaults
+LEARNER = {"update_interval": 10, "position_policy": "verified"}  # the demo's learner; the rest are defaults
 REFERENCE_LR, REFERENCE_EPOCHS = 3e-4, 2
 
 
@@ -102,11 +102,7 @@ def catch_up(online: list[float], ref: list[float]) -> int | None:
 def main() -> None:
     import torch
 
-    from onlinespec.drafts.train import replay_acceptance
-    from onlinespec.factory import DEFAULT_HEAD, load_head
     from onlinespec.models import load_model
-    from onlinespec.online.registry import DraftRegistry
-    from onlinespec.weights import load_weights
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("per_domain", type=int, nargs="?", default=200, help="requests per domain segment")
@@ -141,37 +137,47 @@ def main() -> None:
                             "date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads()},
                "domains": {}}
     for d in domains:
-        segment = signal.select(keep[d])
-        live_rows = [r for r in rows if r["domain"] == d]
-        assert [r["id"] for r in live_rows] == segment.query_ids, "the live stream and the cached answers must be the same requests"
-        heads = {"static (packaged)": load_head(DEFAULT_HEAD, target)}
-        heads.update({f"{kind} 100%": load_head(path, target) for kind, path in refs[d].items()})
-        scored = {"hybrid": {name: replay_acceptance(h, segment, K, ngram=NGRAM) for name, h in heads.items()},
-                  "head": {name: replay_acceptance(h, segment, K) for name, h in heads.items()}}
-        # the online head alone: each request replayed with the version that served it
-        registry, online_head = DraftRegistry(WORK / f"live-{args.name}" / "run" / "drafts" / d), [None] * len(live_rows)
-        for version in sorted({r["draft_version"] for r in live_rows}):
-            head = load_head(DEFAULT_HEAD, target)
-            load_weights(head, registry.load(version), f"{version} of {registry.directory}")
-            picks = [i for i, r in enumerate(live_rows) if r["draft_version"] == version]
-            for i, s in zip(picks, replay_acceptance(head.eval(), segment.select(picks), K)):
-                online_head[i] = s
-        scored["hybrid"]["online (live)"] = [(r["accepted"], r["judged"]) for r in live_rows]
-        scored["head"]["online (live versions, replayed)"] = online_head
-        out = {}
-        for view, drafts in scored.items():
-            curves = {name: moving_average(s) for name, s in drafts.items()}
-            online_name = next(n for n in curves if n.startswith("online"))
-            out[view] = {
-                "curves": curves,
-                "alpha": {name: sum(a for a, _ in s) / max(1, sum(j for _, j in s)) for name, s in drafts.items()},
-                "last_50": {name: c[-1] for name, c in curves.items()},
-                "catch_up": {ref: catch_up(curves[online_name], curves[ref]) for ref in curves if "100%" in ref},
-            }
-        out["versions"] = sorted({r["draft_version"] for r in live_rows})
-        results["domains"][d] = out
-    (DOCS / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+        results["domains"][d] = score_domain(target, signal.select(keep[d]), [r for r in rows if r["domain"] == d], refs[d],
+                                             WORK / f"live-{args.name}" / "run" / "drafts" / d)
+    harness.write_result(DOCS / f"{args.name}.json", results, command=["python", "bench/online_reference.py", *sys.argv[1:]])
     report(results, args.name)
+
+
+def score_domain(target, segment, live_rows: list[dict], refs: dict, drafts_dir: Path) -> dict:
+    """One domain's curves, alpha, last-50 and catch-up, as served (hybrid) and for the head alone:
+    the packaged head, the references, and the online draft (live, and its versions replayed)."""
+    from onlinespec.drafts.train import replay_acceptance
+    from onlinespec.factory import DEFAULT_HEAD, load_head
+    from onlinespec.online.registry import DraftRegistry
+    from onlinespec.weights import load_weights
+
+    assert [r["id"] for r in live_rows] == segment.query_ids, "the live stream and the cached answers must be the same requests"
+    heads = {"static (packaged)": load_head(DEFAULT_HEAD, target)}
+    heads.update({f"{kind} 100%": load_head(path, target) for kind, path in refs.items()})
+    scored = {"hybrid": {name: replay_acceptance(h, segment, K, ngram=NGRAM) for name, h in heads.items()},
+              "head": {name: replay_acceptance(h, segment, K) for name, h in heads.items()}}
+    # the online head alone: each request replayed with the version that served it
+    registry, online_head = DraftRegistry(drafts_dir), [None] * len(live_rows)
+    for version in sorted({r["draft_version"] for r in live_rows}):
+        head = load_head(DEFAULT_HEAD, target)
+        load_weights(head, registry.load(version), f"{version} of {registry.directory}")
+        picks = [i for i, r in enumerate(live_rows) if r["draft_version"] == version]
+        for i, s in zip(picks, replay_acceptance(head.eval(), segment.select(picks), K)):
+            online_head[i] = s
+    scored["hybrid"]["online (live)"] = [(r["accepted"], r["judged"]) for r in live_rows]
+    scored["head"]["online (live versions, replayed)"] = online_head
+    out = {}
+    for view, drafts in scored.items():
+        curves = {name: moving_average(s) for name, s in drafts.items()}
+        online_name = next(n for n in curves if n.startswith("online"))
+        out[view] = {
+            "curves": curves,
+            "alpha": {name: sum(a for a, _ in s) / max(1, sum(j for _, j in s)) for name, s in drafts.items()},
+            "last_50": {name: c[-1] for name, c in curves.items()},
+            "catch_up": {ref: catch_up(curves[online_name], curves[ref]) for ref in curves if "100%" in ref},
+        }
+    out["versions"] = sorted({r["draft_version"] for r in live_rows})
+    return out
 
 
 def report(results: dict, name: str) -> None:
@@ -182,19 +188,19 @@ def report(results: dict, name: str) -> None:
 
     s = results["settings"]
     lines = ["# Online draft vs drafts distilled offline on 100% of a domain's data", "",
-             f"Command: `{s.get('command', 'python bench/online_reference.py ' + str(s['per_domain']))}` ({s['date']}, 2 CPU "
+             (f"Command: `{s.get('command', 'python bench/online_reference.py ' + str(s['per_domain']))}` ({s['date']}, 2 CPU "
              f"cores, fp32 target SmolLM2-135M-Instruct). Stream: the first {s['per_domain']} requests of each domain "
              f"({' -> '.join(results['domains'])}) of the experiments' abrupt stream, served live by the default draft (n-gram lookup + packaged head), "
              f"one draft per domain learning online (`{s['learner']}`, the rest defaults), greedy, k = {s['k']} fixed, "
-             f"{s['new_tokens']} new tokens.", "",
-             f"References: the packaged head distilled offline (lr {s['reference']['lr']}, {s['reference']['epochs']} epochs) "
+             f"{s['new_tokens']} new tokens."), "",
+             (f"References: the packaged head distilled offline (lr {s['reference']['lr']}, {s['reference']['epochs']} epochs) "
              f"on the target's answers to {s['per_domain']} requests of the domain: **held out** (the domain's warm-up split, "
              "never served: how the paper's Table 1 drafts are scored) and **in-sample** (the stream's own requests, scored on "
              "them: it recites answers it memorised, a bound no online draft can reach, since it serves each request before "
-             "learning from it). They are scored by replaying speculative decoding over the target's answers to the stream.", "",
-             f"alpha: accepted over judged proposals. Curves: moving average of per-request alpha over the last {WINDOW} "
+             "learning from it). They are scored by replaying speculative decoding over the target's answers to the stream."), "",
+             (f"alpha: accepted over judged proposals. Curves: moving average of per-request alpha over the last {WINDOW} "
              f"requests of the segment. Catch-up: the first request of the segment from which the online moving average "
-             f"stays within {TOLERANCE} of the reference's (0: from the start).", ""]
+             f"stays within {TOLERANCE} of the reference's (0: from the start)."), ""]
     for view, title in (("hybrid", "As served (n-gram lookup + head)"), ("head", "The head alone (where the drafts differ)")):
         lines += [f"## {title}", "", "| domain | draft | alpha (segment) | moving average, last 50 | online catch-up |", "|---|---|---|---|---|"]
         for d, out in results["domains"].items():

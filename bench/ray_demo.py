@@ -18,20 +18,20 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+DOCS = harness.RESULTS
 RUNS = {"one process": [], "2 replicas on Ray": ["--replicas", "2"]}
 WINDOW = 20  # requests of the new domain at the start and at the end
 
 
 def summarize(args) -> dict:
-    from onlinespec.benchmark import machine_info
     from onlinespec.stream import pooled_alpha
 
-    out = {"command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-           "demo": ["onlinespec", "demo", "--per-domain", args.per_domain], "runs": {}}
+    out = {"machine": harness.machine(), "demo": ["onlinespec", "demo", "--per-domain", args.per_domain], "runs": {}}
     for label in RUNS:
         result = json.loads((args.work / _slug(label) / "online.json").read_text())
         rows = [r for r in result["requests"] if "error" not in r]
@@ -55,12 +55,7 @@ def _slug(label: str) -> str:
 
 
 def plot(summary: dict, path: Path, domain: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = harness.figure(figsize=(7, 3.6))
     for label, run in summary["runs"].items():
         pairs = run["accepted_judged"]
         windows = [pairs[max(0, i - 9):i + 1] for i in range(len(pairs))]  # accepted over judged, the last 10 requests
@@ -70,15 +65,14 @@ def plot(summary: dict, path: Path, domain: str) -> None:
     ax.set_ylabel("alpha over the last 10 requests (pooled)")
     ax.set_title(f"The demo's new domain ({domain}) while its draft learns", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save(fig, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-domain", default="80,20,20")
     parser.add_argument("--new-domain", default="math_ml")
-    parser.add_argument("--work", type=Path, default=Path("runs/ray-demo"))
+    parser.add_argument("--work", type=Path, default=harness.RUNS / "ray-demo")
     parser.add_argument("--out", type=Path, default=DOCS / "ray-demo")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
@@ -89,7 +83,7 @@ def main() -> None:
             print(f"[{label}] {' '.join(command[2:])}", flush=True)
             subprocess.run(command, check=True)
     summary = summarize(args)
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    harness.write_result(args.out.with_suffix(".json"), summary)
     plot(summary, args.out.with_suffix(".png"), args.new_domain)
     for label, run in summary["runs"].items():
         print(f"{label}: identical {run['identical_to_target_alone']}, {args.new_domain} alpha first {WINDOW} "

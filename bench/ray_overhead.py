@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import held_out, run_level, send  # noqa: E402
+import harness
+from serve_load import held_out, run_level, send
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+DOCS = harness.RESULTS
 SERVERS = {"single": ["--static"], "ray-1": ["--static", "--replicas", "1"], "ray-2": ["--static", "--replicas", "2"]}
 ORDER = ("single", "ray-1", "ray-2", "single", "ray-1")
 
@@ -44,7 +45,7 @@ def send_whole(client, model: str, query, max_tokens: int) -> dict:
     started = time.perf_counter()
     error, text, tokens = None, "", 0
     try:
-        kwargs = dict(model=model, max_tokens=max_tokens, temperature=0, extra_body={"domain": query.domain})
+        kwargs = {"model": model, "max_tokens": max_tokens, "temperature": 0, "extra_body": {"domain": query.domain}}
         if query.messages:
             response = client.chat.completions.create(messages=list(query.messages), **kwargs)
             text = response.choices[0].message.content
@@ -52,7 +53,7 @@ def send_whole(client, model: str, query, max_tokens: int) -> dict:
             response = client.completions.create(prompt=query.prompt, **kwargs)
             text = response.choices[0].text
         tokens = response.usage.completion_tokens
-    except Exception as err:  # counted, never hidden
+    except Exception as err:  # noqa: BLE001 (counted, never hidden)
         error = f"{type(err).__name__}: {err}"
     end = time.perf_counter()
     return {"id": query.id, "text": text, "latency_s": end - started, "ttft_s": end - started, "tokens": tokens, "error": error,
@@ -111,11 +112,9 @@ def server_args(name: str, args, out: Path, n: int) -> list[str]:
             "--default-max-tokens", str(args.max_tokens)]
 
 
-def warmed_client(server, queries) -> tuple:
+def warmed_client(server: str, queries) -> tuple:
     """An `openai` client of a ready server and its model's name, after a warm-up not measured."""
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    client = harness.client(server, 600)
     model = client.models.list().data[0].id
     for q in queries[:4]:
         send(client, model, q, 8)
@@ -123,12 +122,10 @@ def warmed_client(server, queries) -> tuple:
 
 
 def serve(name: str, args, queries, work: Path, round_: int) -> dict:
-    from onlinespec.serve.server import ServerProcess
-
     command = server_args(name, args, work / f"{name}-{round_}", len(queries))
     print(f"[{name} #{round_}] onlinespec serve {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    with ServerProcess(command, log=work / f"{name}-{round_}.log") as server:
+    with harness.serve_onlinespec(command, log_path=work / f"{name}-{round_}.log") as server:
         ready = time.perf_counter() - started
         client, model = warmed_client(server, queries)
         before = process_cpu(server.process.pid)
@@ -143,9 +140,7 @@ def paired(args, queries, work: Path) -> dict:
     """Both servers up; each block of ``args.block`` requests sent to one, then the other."""
     import contextlib
 
-    from onlinespec.benchmark import machine_info
     from onlinespec.metrics import bootstrap_ratio
-    from onlinespec.serve.server import ServerProcess
 
     names = ("single", "ray-1")
     with contextlib.ExitStack() as stack:
@@ -153,7 +148,7 @@ def paired(args, queries, work: Path) -> dict:
         for name in names:
             command = server_args(name, args, work / f"paired-{name}", len(queries))
             print(f"[{name}] onlinespec serve {' '.join(command)}", flush=True)
-            servers[name] = stack.enter_context(ServerProcess(command, log=work / f"paired-{name}.log"))
+            servers[name] = stack.enter_context(harness.serve_onlinespec(command, log_path=work / f"paired-{name}.log"))
             clients[name] = warmed_client(servers[name], queries)
         both = [servers[n].process.pid for n in names]
         blocks = [queries[i:i + args.block] for i in range(0, len(queries), args.block)]
@@ -177,8 +172,7 @@ def paired(args, queries, work: Path) -> dict:
                   f"{ratio:.3f}x", flush=True)
     samples = [(p["ray-1"]["tokens"], p["ray-1"]["wall_s"], p["single"]["tokens"], p["single"]["wall_s"]) for p in pairs]
     pooled = (sum(s[0] for s in samples) / sum(s[1] for s in samples)) / (sum(s[2] for s in samples) / sum(s[3] for s in samples))
-    return {"command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-            "config": {"n": len(queries), "block": args.block, "concurrency": args.concurrency, "max_batch": args.max_batch,
+    return {"config": {"n": len(queries), "block": args.block, "concurrency": args.concurrency, "max_batch": args.max_batch,
                        "max_new_tokens": args.max_tokens, "servers": {n: SERVERS[n] for n in names}, "streamed": not args.whole},
             "ray-1/single": {"pooled": pooled, "interval_95": list(bootstrap_ratio(samples)),
                              "median_of_pairs": statistics.median(p["ratio"] for p in pairs)},
@@ -189,13 +183,8 @@ def paired(args, queries, work: Path) -> dict:
 
 
 def plot_paired(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     pairs, r = summary["pairs"], summary["ray-1/single"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (top, bottom) = harness.figure(2, 1, figsize=(7, 5), sharex=True)
     x = [p["block"] + 1 for p in pairs]
     top.plot(x, [p["single"]["tokens_per_s"] for p in pairs], "o-", label="one process", color="#4c72b0")
     top.plot(x, [p["ray-1"]["tokens_per_s"] for p in pairs], "s-", label="--replicas 1", color="#dd8452")
@@ -212,20 +201,16 @@ def plot_paired(summary: dict, path: Path) -> None:
     c = summary["config"]
     top.set_title(f"Ray's cost, paired blocks: {c['n']} requests in blocks of {c['block']}, {c['concurrency']} in flight, "
                   f"{c['max_new_tokens']} tokens, {'streamed' if c['streamed'] else 'whole'}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save(fig, path)
 
 
 def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
-    from onlinespec.benchmark import machine_info
-
     by = {name: [r for n, r in runs if n == name] for name in SERVERS}
     base = by["single"][0]["texts"]
     identical = {f"{n}#{i}": sum(r["texts"][q.id] == base[q.id] for q in queries) for n, rs in by.items() for i, r in enumerate(rs)}
     rates = {name: [r["tokens_per_s"] for r in rs] for name, rs in by.items()}
     pairs = list(zip(by["single"], by["ray-1"]))  # round i of each
     return {
-        "command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
         "config": {"n": len(queries), "concurrency": args.concurrency, "max_batch": args.max_batch, "max_new_tokens": args.max_tokens, "servers": SERVERS, "order": args.order.split(","),
                    "streamed": not args.whole},
         "tokens_per_s": rates,
@@ -241,12 +226,7 @@ def summarize(runs: list[tuple[str, dict]], args, queries) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = harness.figure(figsize=(7, 3.6))
     runs = summary["runs"]
     colours = {"single": "#4c72b0", "ray-1": "#dd8452", "ray-2": "#55a868"}
     ax.bar(range(len(runs)), [r["tokens_per_s"] for r in runs], color=[colours[r["server"]] for r in runs])
@@ -256,8 +236,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_title(f"Ray's cost: {c['n']} requests, {c['concurrency']} in flight, batches of {c.get('max_batch', c['concurrency'])}, "
                  f"{c['max_new_tokens']} tokens; "
                  f"ray-1/single {summary['ray-1/single']['median']:.3f}x", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save(fig, path)
 
 
 def main() -> None:
@@ -283,7 +262,7 @@ def main() -> None:
     if args.paired:
         if not args.report_only:
             args.work.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(paired(args, held_out(args.n), args.work), indent=2))
+            harness.write_result(path, paired(args, held_out(args.n), args.work))
         summary = json.loads(path.read_text())
         plot_paired(summary, args.out.with_suffix(".png"))
         r = summary["ray-1/single"]
@@ -295,7 +274,7 @@ def main() -> None:
         queries = held_out(args.n)
         args.work.mkdir(parents=True, exist_ok=True)
         runs = [(name, serve(name, args, queries, args.work, i)) for i, name in enumerate(args.order.split(","))]
-        path.write_text(json.dumps(summarize(runs, args, queries), indent=2))
+        harness.write_result(path, summarize(runs, args, queries))
     summary = json.loads(path.read_text())
     plot(summary, args.out.with_suffix(".png"))
     r = summary["ray-1/single"]

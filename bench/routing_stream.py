@@ -25,14 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split as split_queries
@@ -43,7 +44,7 @@ from onlinespec.online.report import routing_report
 from onlinespec.serve.config import CoreConfig
 from onlinespec.stream import OnlineConfig, pooled_alpha, run_stream
 
-WORK = Path("runs/routing-stream")
+WORK = harness.RUNS / "routing-stream"
 ORDER = ("code", "math_ml", "chat", "code", "math_ml")
 RUNS = ("content", "oracle", "single", "static", "target", "stationary")
 DETECTIONS = ("drift", "cluster_returned")  # router events that mark a change it noticed
@@ -95,24 +96,8 @@ def pooled(rows) -> float:
     return sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--segment", type=int, default=150)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--interval", type=int, default=25)
-    parser.add_argument("--max-drafts", type=int, default=4)
-    parser.add_argument("--target-every", type=int, default=5)
-    parser.add_argument("--stationary", type=int, default=500)
-    parser.add_argument("--stationary-tokens", type=int, default=8)
-    parser.add_argument("--window", type=int, default=30)
-    parser.add_argument("--only", default=None, help="comma-separated runs to (re)run; the others are read from WORK (none: report only)")
-    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/routing-stream"))
-    args = parser.parse_args()
-    if args.run:
-        run_one(args, args.run)
-        return
+def collect(args) -> dict:
+    """Each run's rows, run now in a child process if --only names it."""
     passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a != args.only]
     results = {}
     for name in RUNS:
@@ -125,11 +110,13 @@ def main() -> None:
         failed = [r for r in results[name] if "error" in r]
         if failed:
             raise SystemExit(f"{name}: {len(failed)} requests failed, the first: {failed[0]['error']}")
+    return results
 
+
+def shifts(args, results: dict, figures: dict) -> None:
+    """Alpha on the returning segments, when each shift was detected, false alarms, and alpha at each return."""
     n, w = args.segment, args.window
     bounds = [i * n for i in range(len(ORDER))]
-    figures: dict = {"alpha": {m: pooled_alpha(results[m]) for m in ("content", "oracle", "single", "static")}}
-    figures["content_vs_oracle"] = figures["alpha"]["content"] / figures["alpha"]["oracle"]
     returning = [i for i, d in enumerate(ORDER) if d in ORDER[:i]]
     back = {m: pooled_alpha([r for s in returning for r in results[m][bounds[s]: bounds[s] + n]]) for m in ("content", "oracle", "single")}
     figures["returning_alpha"] = back
@@ -152,6 +139,10 @@ def main() -> None:
         start = pooled_alpha(results["content"][bounds[s]: bounds[s] + w])
         ret[f"{ORDER[s]} (request {bounds[s]})"] = {"end_of_previous": end, "first_of_return": start, "difference": start - end}
     figures["return"] = ret
+
+
+def speed(args, results: dict, figures: dict) -> None:
+    """Tokens/s against the static draft, greedy identity against the target alone, drafts made."""
     content, static = results["content"], results["static"]
     samples = [(a["new_tokens"], a["seconds"], b["new_tokens"], b["seconds"]) for a, b in zip(content, static)]
     figures["tokens_per_s"] = {m: pooled(results[m]) for m in ("content", "oracle", "single", "static")}
@@ -162,15 +153,40 @@ def main() -> None:
                                       for m in ("content", "oracle", "single", "static")}
     figures["drafts"] = {m: sorted({r["draft"] for r in results[m]}) for m in ("content", "oracle", "single")}
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--segment", type=int, default=150)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--interval", type=int, default=25)
+    parser.add_argument("--max-drafts", type=int, default=4)
+    parser.add_argument("--target-every", type=int, default=5)
+    parser.add_argument("--stationary", type=int, default=500)
+    parser.add_argument("--stationary-tokens", type=int, default=8)
+    parser.add_argument("--window", type=int, default=30)
+    parser.add_argument("--only", default=None, help="comma-separated runs to (re)run; the others are read from WORK (none: report only)")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "routing-stream")
+    args = parser.parse_args()
+    if args.run:
+        run_one(args, args.run)
+        return
+    results = collect(args)
+    figures: dict = {"alpha": {m: pooled_alpha(results[m]) for m in ("content", "oracle", "single", "static")}}
+    figures["content_vs_oracle"] = figures["alpha"]["content"] / figures["alpha"]["oracle"]
+    shifts(args, results, figures)
+    speed(args, results, figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    routing_report(WORK / "content", args.out.with_suffix(".png"), segments=[(b, d) for b, d in zip(bounds, ORDER)])
-    command = (f"python bench/routing_stream.py --segment {n} --max-new-tokens {args.max_new_tokens} --concurrency {args.concurrency} "
-               f"--interval {args.interval} --max-drafts {args.max_drafts} --stationary {args.stationary} "
-               f"--stationary-tokens {args.stationary_tokens}")
-    lines = [f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
-             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "", "```json", json.dumps(figures, indent=1), "```"]
+    routing_report(WORK / "content", args.out.with_suffix(".png"), segments=[(i * args.segment, d) for i, d in enumerate(ORDER)])
+    command = ["python", "bench/routing_stream.py", "--segment", str(args.segment), "--max-new-tokens", str(args.max_new_tokens),
+               "--concurrency", str(args.concurrency), "--interval", str(args.interval), "--max-drafts", str(args.max_drafts),
+               "--stationary", str(args.stationary), "--stationary-tokens", str(args.stationary_tokens)]
+    machine = harness.machine()
+    lines = [(f"Command: `{shlex.join(command)}`. Machine: {machine['platform']}, {machine['cpu_model']}, {machine['torch_threads']} torch threads. "
+             f"Date: {machine['date']}."), "", "```json", json.dumps(figures, indent=1), "```"]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "figures": figures}, indent=1))
+    harness.write_result(args.out.with_suffix(".json"), {"machine": machine, "figures": figures}, command=command)
     print("\n".join(lines))
 
 

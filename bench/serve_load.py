@@ -22,35 +22,31 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+DOCS = harness.RESULTS
 DOMAINS = ("chat", "code", "math_ml")
 SERVERS = {"speculative": ["--static"], "target_alone": ["--draft", "none"]}
 
 
 def send(client, model: str, query, max_tokens: int, extra: dict | None = None, headers: dict | None = None) -> dict:
-    """One streamed, greedy request; what the client saw (``extra``: more body fields; ``headers``: more headers)."""
+    """One streamed, greedy request timed by :func:`harness.stream_chat` (``extra``: more body
+    fields; ``headers``: more headers); an error is counted in the row, never hidden."""
+    body = {"domain": query.domain, **(extra or {})}
     started = time.perf_counter()
-    first, text, usage, error = None, [], None, None
     try:
-        kwargs = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-                      extra_body={"domain": query.domain, **(extra or {})}, extra_headers=headers)
         if query.messages:
-            stream = client.chat.completions.create(messages=list(query.messages), **kwargs)
+            timing = harness.stream_chat(client, list(query.messages), max_tokens, model, extra_headers=headers, **body)
         else:
-            stream = client.completions.create(prompt=query.prompt, **kwargs)
-        for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if chunk.choices:
-                piece = chunk.choices[0].delta.content if query.messages else chunk.choices[0].text
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-    except Exception as err:  # counted, never hidden
-        error = f"{type(err).__name__}: {err}"
-    end = time.perf_counter()
-    return {"id": query.id, "text": "".join(text), "latency_s": end - started, "ttft_s": (first or end) - started,
-            "tokens": usage.completion_tokens if usage else 0, "error": error, "start": started, "end": end}
+            timing = harness.stream_completion(client, query.prompt, max_tokens, model, extra_headers=headers, **body)
+    except Exception as err:  # noqa: BLE001 (counted, never hidden)
+        end = time.perf_counter()
+        return {"id": query.id, "text": "", "latency_s": end - started, "ttft_s": end - started, "tokens": 0,
+                "error": f"{type(err).__name__}: {err}", "start": started, "end": end}
+    return {"id": query.id, "text": timing["text"], "latency_s": timing["total_s"], "ttft_s": timing["ttft_s"], "tpot_s": timing["tpot_s"],
+            "tokens": timing["completion_tokens"], "tokens_from": timing["tokens_from"], "error": None,
+            "start": timing["start"], "end": timing["end"]}
 
 
 def run_level(client, model: str, queries, max_tokens: int, concurrency: int, extra: dict | None = None) -> dict:
@@ -73,33 +69,30 @@ def run_level(client, model: str, queries, max_tokens: int, concurrency: int, ex
 
 
 def serve_levels(name: str, args, queries, out: Path) -> dict:
-    import openai
-
-    from onlinespec.serve.server import ServerProcess
-
     server_args = [*SERVERS[name], "--out-dir", str(out / name), "--max-batch", str(max(args.levels)),
                    "--max-waiting", str(len(queries)), "--default-max-tokens", str(args.max_tokens)]
     print(f"[{name}] starting onlinespec serve {' '.join(server_args)}", flush=True)
-    with ServerProcess(server_args, log=out / f"{name}.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
-        for q in queries[:4]:  # warm-up, not measured
-            send(client, model, q, 8)
-        levels = {}
-        for n in args.levels:
-            levels[n] = run_level(client, model, queries, args.max_tokens, n)
-            f = levels[n]
-            print(f"[{name}] {n} in flight: {f['tokens_per_s']:.1f} tok/s, p50 {f['latency_p50_s']:.2f} s, p99 {f['latency_p99_s']:.2f} s, "
-                  f"TTFT p50 {f['ttft_p50_s']:.3f} s, errors {f['errors']}", flush=True)
-        metrics = __import__("httpx").get(server.url + "/metrics").text
+    with harness.serve_onlinespec(server_args, log_path=out / f"{name}.log") as url:
+        levels = measure_levels(name, harness.client(url, 600), queries, args.levels, args.max_tokens)
+        metrics = __import__("httpx").get(url + "/metrics").text
     return {"levels": levels, "metrics_tail": [line for line in metrics.splitlines() if "spec_decode_num" in line and "_total" in line][:12]}
 
 
-def summarize(runs: dict, args, queries) -> dict:
-    from onlinespec.benchmark import machine_info
+def measure_levels(name: str, client, queries, levels: list[int], max_tokens: int, extra: dict | None = None, warm: int = 4) -> dict:
+    """Every query at each level of requests in flight (after ``warm`` requests not measured)."""
+    model = client.models.list().data[0].id
+    for q in queries[:warm]:
+        send(client, model, q, 8, extra)
+    figures = {}
+    for n in levels:
+        figures[n] = f = run_level(client, model, queries, max_tokens, n, extra)
+        print(f"[{name}] {n} in flight: {f['tokens_per_s']:.1f} tok/s, p50 {f['latency_p50_s']:.2f} s, p99 {f['latency_p99_s']:.2f} s, "
+              f"TTFT p50 {f['ttft_p50_s']:.3f} s, errors {f['errors']}", flush=True)
+    return figures
 
-    summary = {"command": " ".join(["python", *sys.argv]), "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-               "n_prompts": len(queries), "config": {"max_new_tokens": args.max_tokens, "levels": args.levels,
+
+def summarize(runs: dict, args, queries) -> dict:
+    summary = {"n_prompts": len(queries), "config": {"max_new_tokens": args.max_tokens, "levels": args.levels,
                                                      "speculative_server": SERVERS["speculative"], "baseline_server": SERVERS["target_alone"]},
                "concurrency": {}}
     for n in args.levels:
@@ -151,7 +144,7 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
         runs = {name: serve_levels(name, args, queries, args.work) for name in SERVERS}
         summary = summarize(runs, args, queries)
-        path.write_text(json.dumps(summary, indent=2))
+        harness.write_result(path, summary)
         (args.work / "texts.json").write_text(json.dumps({m: {n: r["levels"][n]["texts"] for n in r["levels"]} for m, r in runs.items()}))
     summary = json.loads(path.read_text())
     plot_concurrency(summary, args.out.with_suffix(".png"))

@@ -26,7 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+DOCS = harness.RESULTS
 LEARNER = ["--update-interval", "25", "--steps-per-update", "40", "--batch-size", "64", "--lr", "1e-3", "--positions", "verified"]
 
 
@@ -38,6 +41,57 @@ def segment_rise(rows: list[dict], domain: str, window: int = 50) -> dict:
     probes = [r for r in part if "static" in r]
     static = sum(r["static"]["acceptance_rate"] for r in probes) / max(1, len(probes))
     return {"requests": len(part), "first": first, "last": last, "rise": last - first, "static_probes": static}
+
+
+def server_args(args, run: Path, key: str) -> list[str]:
+    flags = ["--draft", "head", "--fixed-k", "-k", "4", "--out-dir", str(run), "--static-baseline", "--admin-key", key,
+             "--max-batch", str(args.concurrency), "--default-max-tokens", str(args.max_tokens), *LEARNER]
+    if args.replicas:
+        flags += ["--replicas", str(args.replicas)]
+    if args.priority:
+        flags += ["--priority", args.priority]
+    return flags
+
+
+def measure(args, names: list[str], path: Path) -> None:
+    """Serve the stream online, write the result JSON, the run's report and its alpha plot."""
+    from onlinespec.data.sources import stream_pools
+    from onlinespec.data.splits import split
+    from onlinespec.data.streams import abrupt_shifts
+    from onlinespec.online.report import write_report
+    from onlinespec.stream import HTTPClient, OnlineConfig, drive
+
+    blocks = dict(zip(names, (int(n) for n in args.per_domain.split(","))))
+    queries = abrupt_shifts({d: split(q, "online") for d, q in stream_pools(names).items()}, blocks, seed=0)
+    run = args.work / "run"
+    if run.exists():
+        shutil.rmtree(run)
+    run.mkdir(parents=True)
+    key = secrets.token_hex(8)
+    flags = server_args(args, run, key)
+    config = OnlineConfig(max_new_tokens=args.max_tokens, concurrency=args.concurrency, compare_every=args.compare_every)
+    started = time.time()
+
+    def progress(row: dict) -> None:
+        if row["i"] % 25 == 0:
+            print(f"{row['i']:4d} {row['domain']:8s} alpha(50) {row['alpha_moving_average']:.3f} draft {row['draft']} "
+                  f"{row['draft_version']} ({time.time() - started:.0f} s)", flush=True)
+
+    print(f"onlinespec serve {' '.join(a if a != key else '***' for a in flags)}", flush=True)
+    with harness.serve_onlinespec(flags, log_path=args.work / "server.log") as url:
+        result = drive(queries, HTTPClient(url, admin_key=key), config, progress, lambda text: print(text, flush=True))
+    # the server's log, and on Ray each learner actor's (learners/<group>/events.jsonl): where updates are logged
+    events = [json.loads(line) for log in sorted(run.rglob("events.jsonl")) for line in log.read_text().splitlines()]
+    served_at = sorted(r["time"] for r in result["requests"])  # when each stream request was answered
+    published = [{"draft": e["draft"], "version": e["version"], "after_request": sum(t < e["time"] for t in served_at),
+                  "seconds": e["seconds"]} for e in events if e["event"] == "update" and e["version"]]
+    result.update(server_args=[a if a != key else "***" for a in flags], wall_seconds=time.time() - started,
+                  published_while_serving=[p for p in published if p["after_request"] < len(queries)],
+                  rise={d: segment_rise(result["requests"], d) for d in names})
+    result = json.loads(harness.write_result(path, result).read_text())
+    write_report({"online": result}, run, f"Served online: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, "
+                 f"head, {args.concurrency} in flight", result["command"])
+    shutil.copy(run / "alpha.png", args.out.with_suffix(".png"))
 
 
 def main() -> None:
@@ -54,55 +108,10 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     name = "serve-online-ray" if args.replicas else "serve-online"
-    args.work, args.out = args.work or Path("runs") / name, args.out or DOCS / name
-    names = args.domains.split(",")
+    args.work, args.out = args.work or harness.RUNS / name, args.out or DOCS / name
     path = args.out.with_suffix(".json")
     if not args.report_only:
-        from onlinespec.benchmark import machine_info
-        from onlinespec.data.sources import stream_pools
-        from onlinespec.data.splits import split
-        from onlinespec.data.streams import abrupt_shifts
-        from onlinespec.online.report import write_report
-        from onlinespec.serve.server import ServerProcess
-        from onlinespec.stream import HTTPClient, OnlineConfig, drive
-
-        blocks = dict(zip(names, (int(n) for n in args.per_domain.split(","))))
-        queries = abrupt_shifts({d: split(q, "online") for d, q in stream_pools(names).items()}, blocks, seed=0)
-        run = args.work / "run"
-        if run.exists():
-            shutil.rmtree(run)
-        run.mkdir(parents=True)
-        key = secrets.token_hex(8)
-        server_args = ["--draft", "head", "--fixed-k", "-k", "4", "--out-dir", str(run), "--static-baseline", "--admin-key", key,
-                       "--max-batch", str(args.concurrency), "--default-max-tokens", str(args.max_tokens), *LEARNER]
-        if args.replicas:
-            server_args += ["--replicas", str(args.replicas)]
-        if args.priority:
-            server_args += ["--priority", args.priority]
-        config = OnlineConfig(max_new_tokens=args.max_tokens, concurrency=args.concurrency, compare_every=args.compare_every)
-        started = time.time()
-
-        def progress(row: dict) -> None:
-            if row["i"] % 25 == 0:
-                print(f"{row['i']:4d} {row['domain']:8s} alpha(50) {row['alpha_moving_average']:.3f} draft {row['draft']} "
-                      f"{row['draft_version']} ({time.time() - started:.0f} s)", flush=True)
-
-        print(f"onlinespec serve {' '.join(a if a != key else '***' for a in server_args)}", flush=True)
-        with ServerProcess(server_args, log=args.work / "server.log") as server:
-            result = drive(queries, HTTPClient(server.url, admin_key=key), config, progress, lambda text: print(text, flush=True))
-        # the server's log, and on Ray each learner actor's (learners/<group>/events.jsonl): where updates are logged
-        events = [json.loads(line) for log in sorted(run.rglob("events.jsonl")) for line in log.read_text().splitlines()]
-        served_at = sorted(r["time"] for r in result["requests"])  # when each stream request was answered
-        published = [{"draft": e["draft"], "version": e["version"], "after_request": sum(t < e["time"] for t in served_at),
-                      "seconds": e["seconds"]} for e in events if e["event"] == "update" and e["version"]]
-        result.update(command=" ".join(["python", *sys.argv]), machine={**machine_info(), "date": time.strftime("%Y-%m-%d")},
-                      server_args=[a if a != key else "***" for a in server_args], wall_seconds=time.time() - started,
-                      published_while_serving=[p for p in published if p["after_request"] < len(queries)],
-                      rise={d: segment_rise(result["requests"], d) for d in names})
-        path.write_text(json.dumps(result, indent=2))
-        write_report({"online": result}, run, f"Served online: {' -> '.join(f'{blocks[d]} {d}' for d in names)}, "
-                     f"head, {args.concurrency} in flight", result["command"])
-        shutil.copy(run / "alpha.png", args.out.with_suffix(".png"))
+        measure(args, args.domains.split(","), path)
     result = json.loads(path.read_text())
     c = result["comparison"]
     print(f"rise: {json.dumps(result['rise'], indent=1)}")

@@ -29,9 +29,12 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "results"
 sys.path.insert(0, str(ROOT))  # the hostile catalogue lives with its test
 sys.path.insert(0, str(ROOT / "bench"))
+import harness
+from serve_load import held_out, send
+
+DOCS = harness.RESULTS
 
 ALONE_SHARE = 0.25  # of the good requests, those served by the target alone ("draft": "none")
 WARM_S = 300.0  # memory growth is measured from here on (models loaded, caches and buffers filled)
@@ -66,14 +69,99 @@ def hostile(http, url: str, model: str, case) -> str | None:
     return None if where in (error.get("param"), error.get("code")) else f"{name}: {error}"
 
 
+class Traffic:
+    """The soak's workers: good requests (checked against the target alone's answers) and
+    hostile ones (checked against their expected status), counted under one lock."""
+
+    def __init__(self, args, url: str, client, model: str, queries, reference: dict) -> None:
+        from tests.serve.test_hostile_clients import hostile_requests
+
+        self.args, self.url, self.client, self.model, self.queries, self.reference = args, url, client, model, queries, reference
+        self.cases = [*hostile_requests(model), "slow body", "dropped stream"]
+        self.counts: Counter = Counter()
+        self.problems: list[str] = []
+        self.diverged: list[dict] = []
+        self.lock = threading.Lock()
+        self.deadline = time.monotonic() + args.minutes * 60
+
+    def worker(self, seed: int) -> None:
+        import httpx
+
+        rng = random.Random(seed)
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < self.deadline:
+                if rng.random() < self.args.bad_share:
+                    self.hostile(http, rng.choice(self.cases))
+                else:
+                    self.good(rng.choice(self.queries), rng.random() < ALONE_SHARE)
+
+    def hostile(self, http, case) -> None:
+        try:
+            problem = hostile(http, self.url, self.model, case)
+        except Exception as err:  # noqa: BLE001 (the server must answer every hostile request)
+            problem = f"{case if isinstance(case, str) else case[0]}: {type(err).__name__}: {err}"
+        with self.lock:
+            self.counts["hostile"] += 1
+            if problem:
+                self.counts["hostile_unexpected"] += 1
+                self.problems.append(problem)
+
+    def good(self, q, alone: bool) -> None:
+        """``alone``: the target alone in the same traffic (the backend's own batch effects)."""
+        r = send(self.client, self.model, q, self.args.max_tokens, {"draft": "none"} if alone else None)
+        kind = "alone" if alone else "good"
+        with self.lock:
+            self.counts[kind] += 1
+            self.counts[f"{kind}_tokens"] += r["tokens"]
+            if r["error"] is not None:
+                self.counts[f"{kind}_failed"] += 1
+                self.problems.append(f"{kind} {q.id}: {r['error']}")
+            elif r["text"] != self.reference[q.id]:
+                self.counts[f"{kind}_diverged"] += 1
+                self.diverged.append({"query": q.id, "kind": kind, "text": r["text"]})
+
+    def sample(self, started: float) -> dict:
+        import httpx
+
+        metrics = httpx.get(self.url + "/metrics", timeout=30).text
+        with self.lock:
+            return {"t_s": round(time.monotonic() - started, 1), "rss_bytes": rss_bytes(self.url.process.pid),
+                    "metrics_lines": len(metrics.splitlines()), "metrics_bytes": len(metrics), **self.counts}
+
+
+def reference_answers(client, model: str, queries, max_tokens: int) -> dict:
+    """The target alone's answer to each prompt, one at a time, before any learning."""
+    reference = {}
+    for q in queries:
+        r = send(client, model, q, max_tokens, {"draft": "none"})
+        assert r["error"] is None, r["error"]
+        reference[q.id] = r["text"]
+    print(f"{len(reference)} reference answers from the target alone", flush=True)
+    return reference
+
+
+def run_traffic(traffic: Traffic, in_flight: int) -> list[dict]:
+    """``in_flight`` workers until the deadline, sampled every 30 s; the samples."""
+    started, samples = time.monotonic(), []
+    threads = [threading.Thread(target=traffic.worker, args=(i,), daemon=True) for i in range(in_flight)]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        samples.append(sample := traffic.sample(started))
+        c = traffic.counts
+        print(f"[{sample['t_s'] / 60:5.1f} min] rss {sample['rss_bytes'] / 2**20:.0f} MiB, /metrics {sample['metrics_lines']} lines, "
+              f"good {c['good']} + alone {c['alone']} (failed {c['good_failed'] + c['alone_failed']}, "
+              f"diverged {c['good_diverged']} + {c['alone_diverged']}), hostile {c['hostile']} (unexpected {c['hostile_unexpected']})", flush=True)
+        for _ in range(30):  # the next sample in 30 s, or now if the workers are done
+            if not any(t.is_alive() for t in threads):
+                break
+            time.sleep(1.0)
+    samples.append(traffic.sample(started))
+    return samples
+
+
 def soak(args) -> dict:
     import httpx
-    import openai
-
-    from onlinespec.benchmark import machine_info
-    from onlinespec.serve.server import ServerProcess
-    from serve_load import held_out, send
-    from tests.serve.test_hostile_clients import hostile_requests
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,94 +169,33 @@ def soak(args) -> dict:
     server_args = ["--out-dir", str(out / "run"), "--max-batch", str(args.in_flight), "--max-waiting", "64",
                    "--default-max-tokens", str(args.max_tokens), *args.server_args]
     print(f"starting onlinespec serve {' '.join(server_args)}", flush=True)
-    with ServerProcess(server_args, log=out / "server.log") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    with harness.serve_onlinespec(server_args, log_path=out / "server.log") as url:
+        client = harness.client(url, 600)
         model = client.models.list().data[0].id
-        reference = {}
-        for q in queries:  # the target alone, one at a time, before any learning
-            r = send(client, model, q, args.max_tokens, {"draft": "none"})
-            assert r["error"] is None, r["error"]
-            reference[q.id] = r["text"]
-        print(f"{len(reference)} reference answers from the target alone", flush=True)
-        cases = [*hostile_requests(model), "slow body", "dropped stream"]
-        counts: Counter = Counter()
-        problems: list[str] = []
-        diverged: list[dict] = []
-        samples: list[dict] = []
-        lock = threading.Lock()
-        started = time.monotonic()
-        deadline = started + args.minutes * 60
-
-        def worker(seed: int) -> None:
-            rng = random.Random(seed)
-            with httpx.Client(timeout=120) as http:
-                while time.monotonic() < deadline:
-                    if rng.random() < args.bad_share:
-                        case = rng.choice(cases)
-                        try:
-                            problem = hostile(http, server.url, model, case)
-                        except Exception as err:  # the server must answer every hostile request
-                            problem = f"{case if isinstance(case, str) else case[0]}: {type(err).__name__}: {err}"
-                        with lock:
-                            counts["hostile"] += 1
-                            if problem:
-                                counts["hostile_unexpected"] += 1
-                                problems.append(problem)
-                        continue
-                    q = rng.choice(queries)
-                    alone = rng.random() < ALONE_SHARE  # the target alone in the same traffic: the backend's own batch effects
-                    r = send(client, model, q, args.max_tokens, {"draft": "none"} if alone else None)
-                    kind = "alone" if alone else "good"
-                    with lock:
-                        counts[kind] += 1
-                        counts[f"{kind}_tokens"] += r["tokens"]
-                        if r["error"] is not None:
-                            counts[f"{kind}_failed"] += 1
-                            problems.append(f"{kind} {q.id}: {r['error']}")
-                        elif r["text"] != reference[q.id]:
-                            counts[f"{kind}_diverged"] += 1
-                            diverged.append({"query": q.id, "kind": kind, "text": r["text"]})
-
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.in_flight)]
-        for thread in threads:
-            thread.start()
-        while any(t.is_alive() for t in threads):
-            metrics = httpx.get(server.url + "/metrics", timeout=30).text
-            with lock:
-                sample = {"t_s": round(time.monotonic() - started, 1), "rss_bytes": rss_bytes(server.process.pid),
-                          "metrics_lines": len(metrics.splitlines()), "metrics_bytes": len(metrics), **counts}
-            samples.append(sample)
-            print(f"[{sample['t_s'] / 60:5.1f} min] rss {sample['rss_bytes'] / 2**20:.0f} MiB, /metrics {sample['metrics_lines']} lines, "
-                  f"good {counts['good']} + alone {counts['alone']} (failed {counts['good_failed'] + counts['alone_failed']}, "
-                  f"diverged {counts['good_diverged']} + {counts['alone_diverged']}), "
-                  f"hostile {counts['hostile']} (unexpected {counts['hostile_unexpected']})", flush=True)
-            for _ in range(30):  # the next sample in 30 s, or now if the workers are done
-                if not any(t.is_alive() for t in threads):
-                    break
-                time.sleep(1.0)
-        metrics = httpx.get(server.url + "/metrics", timeout=30).text
-        samples.append({"t_s": round(time.monotonic() - started, 1), "rss_bytes": rss_bytes(server.process.pid),
-                        "metrics_lines": len(metrics.splitlines()), "metrics_bytes": len(metrics), **counts})
+        traffic = Traffic(args, url, client, model, queries, reference_answers(client, model, queries, args.max_tokens))
+        samples = run_traffic(traffic, args.in_flight)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
         updates = [line for line in metrics.splitlines() if line.startswith(("onlinespec:learner_updates_total", "onlinespec:draft_version_info"))]
-    gaps = divergence_gaps(queries, reference, diverged)
+    gaps = divergence_gaps(queries, traffic.reference, traffic.diverged)
+    return {"server_args": server_args, "minutes": args.minutes, "in_flight": args.in_flight, "bad_share": args.bad_share,
+            "max_tokens": args.max_tokens, "prompts": len(queries), "hostile_cases": len(traffic.cases), **dict(traffic.counts),
+            "problems": traffic.problems[:50], "divergences": gaps, "divergences_all_near_ties": all(d["gap"] <= d["near_tie"] for d in gaps),
+            **memory(samples), "learner_updates": updates, "samples": samples}
+
+
+def memory(samples: list[dict]) -> dict:
+    """Resident memory and /metrics size from warm-up to the end. One sample can land on either
+    side of a malloc_trim (swings of ~100 MiB): the medians of the WINDOW_S after warm-up and the
+    last WINDOW_S are compared too, which a trend shows and a single swing does not."""
     warm = next((s for s in samples if s["t_s"] >= WARM_S), samples[0])
     last = samples[-1]
-    # One sample can land on either side of a malloc_trim (swings of ~100 MiB): also compare the medians of
-    # the WINDOW_S after warm-up and the last WINDOW_S, which a trend shows and a single swing does not.
     early = [s["rss_bytes"] for s in samples if WARM_S <= s["t_s"] < WARM_S + WINDOW_S]
     late = [s["rss_bytes"] for s in samples if s["t_s"] >= last["t_s"] - WINDOW_S]
-    return {
-        "command": " ".join(["python", *sys.argv]), "machine": machine_info(), "server_args": server_args,
-        "minutes": args.minutes, "in_flight": args.in_flight, "bad_share": args.bad_share, "max_tokens": args.max_tokens,
-        "prompts": len(queries), "hostile_cases": len(cases), **dict(counts),
-        "problems": problems[:50], "divergences": gaps,
-        "divergences_all_near_ties": all(d["gap"] <= d["near_tie"] for d in gaps), "memory_start_bytes": samples[0]["rss_bytes"], "memory_warm_bytes": warm["rss_bytes"],
-        "memory_end_bytes": last["rss_bytes"], "memory_growth_after_warm": last["rss_bytes"] / warm["rss_bytes"] - 1,
-        "memory_growth_median_windows": statistics.median(late) / statistics.median(early or late) - 1, "memory_window_s": WINDOW_S,
-        "memory_peak_bytes": max(s["rss_bytes"] for s in samples),
-        "metrics_lines_warm": warm["metrics_lines"], "metrics_lines_end": last["metrics_lines"], "learner_updates": updates,
-        "samples": samples,
-    }
+    return {"memory_start_bytes": samples[0]["rss_bytes"], "memory_warm_bytes": warm["rss_bytes"],
+            "memory_end_bytes": last["rss_bytes"], "memory_growth_after_warm": last["rss_bytes"] / warm["rss_bytes"] - 1,
+            "memory_growth_median_windows": statistics.median(late) / statistics.median(early or late) - 1, "memory_window_s": WINDOW_S,
+            "memory_peak_bytes": max(s["rss_bytes"] for s in samples),
+            "metrics_lines_warm": warm["metrics_lines"], "metrics_lines_end": last["metrics_lines"]}
 
 
 def divergence_gaps(queries, reference: dict, diverged: list[dict]) -> list[dict]:
@@ -184,7 +211,7 @@ def divergence_gaps(queries, reference: dict, diverged: list[dict]) -> list[dict
     target = load_target("default", backend="auto", device="cpu")
     tie = NEAR_TIE["gguf"] if target.backend == "llama.cpp" else NEAR_TIE["float32"]
     tokenizer, by_id = target.tokenizer, {q.id: q for q in queries}
-    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     out = []
     for d in diverged:
         q = by_id[d["query"]]
@@ -195,17 +222,14 @@ def divergence_gaps(queries, reference: dict, diverged: list[dict]) -> list[dict
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = summary["samples"]
     minutes = [x["t_s"] / 60 for x in s]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = harness.figure(1, 3, figsize=(14, 4))
     axes[0].plot(minutes, [x["rss_bytes"] / 2**20 for x in s])
     axes[0].axvline(WARM_S / 60, color="grey", ls=":", label="warm (growth measured from here)")
-    axes[0].set(title=f"server memory after warm-up:\nlast sample {summary['memory_growth_after_warm']:+.1%}, window medians {summary['memory_growth_median_windows']:+.1%}", xlabel="minutes", ylabel="RSS, MiB")
+    windows = summary.get("memory_growth_median_windows")  # older runs did not record it
+    axes[0].set(title=f"server memory after warm-up:\nlast sample {summary['memory_growth_after_warm']:+.1%}"
+                + (f", window medians {windows:+.1%}" if windows is not None else ""), xlabel="minutes", ylabel="RSS, MiB")
     axes[0].legend(fontsize=8)
     axes[1].plot(minutes, [x["metrics_lines"] for x in s])
     axes[1].set(title="/metrics size", xlabel="minutes", ylabel="lines")
@@ -215,8 +239,7 @@ def plot(summary: dict, path: Path) -> None:
     axes[2].set(title=f"{summary['in_flight']} in flight, {summary['bad_share']:.0%} hostile", xlabel="minutes", ylabel="requests (cumulative)")
     axes[2].legend(fontsize=8)
     fig.suptitle(f"onlinespec serve soak, {summary['minutes']:.0f} min ({summary['machine']['date']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -235,8 +258,8 @@ def main() -> None:
     if args.report_only:
         summary = json.loads(path.read_text())
     else:
-        summary = soak(args)
-        path.write_text(json.dumps(summary, indent=1))
+        harness.write_result(path, soak(args))
+        summary = json.loads(path.read_text())
     plot(summary, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("samples", "machine")}, indent=1))
 

@@ -25,14 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split as split_queries
@@ -43,7 +44,7 @@ from onlinespec.serve.config import CoreConfig
 from onlinespec.stream import OnlineConfig, run_stream
 from onlinespec.stream import pooled_alpha as alpha
 
-WORK = Path("runs/suffix-stream")
+WORK = harness.RUNS / "suffix-stream"
 
 
 def configs(interval: int) -> dict[str, CoreConfig]:
@@ -126,63 +127,39 @@ def drafters(rows: list[dict]) -> dict[str, dict]:
 
 
 def plot(results: dict, path: Path, title: str, window: int = 25) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for name, rows in results.items():
-        x = list(range(1, len(rows) + 1))
-        top.plot(x, moving_average([r["tokens_per_s"] for r in rows], window), label=name)
-        if name != "target":
-            bottom.plot(x, moving_average([r["acceptance_rate"] for r in rows], window), label=name)
-    top.set_ylabel(f"tokens/s per request ({window}-request moving average)")
-    bottom.set_ylabel(f"alpha ({window}-request moving average)")
-    bottom.set_xlabel("request")
-    top.legend()
-    bottom.legend()
-    top.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig, (top, bottom) = harness.figure(2, 1, figsize=(10, 7), sharex=True)
+    harness.lines(top, {name: moving_average([r["tokens_per_s"] for r in rows], window) for name, rows in results.items()},
+                  title=title, ylabel=f"tokens/s per request ({window}-request moving average)")
+    harness.lines(bottom, {name: moving_average([r["acceptance_rate"] for r in rows], window) for name, rows in results.items() if name != "target"},
+                  xlabel="request", ylabel=f"alpha ({window}-request moving average)")
+    harness.save(fig, path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--domain", default="math_ml")
-    parser.add_argument("--n", type=int, default=300)
-    parser.add_argument("--last", type=int, default=100)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--interval", type=int, default=10, help="I: the head's update interval (requests)")
-    parser.add_argument("--only", default=None, help="comma-separated configurations to (re)run; the others are read from WORK")
-    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
-    parser.add_argument("--out", type=Path, default=Path("docs/results/suffix-stream"))
-    args = parser.parse_args()
-    pool = split_queries(stream_pools([args.domain])[args.domain], "online")
-    queries = abrupt_shifts({args.domain: pool}, args.n, seed=0)
-    if args.run in AGAIN:
-        serve_last_again(queries, args, args.run)
-        return
-    if args.run == "export-head":
-        export_head()
-        return
-    if args.run:  # a serving core per process: a second engine thread's OpenMP team would slow the first's forwards 1.6x
-        name, core = args.run, configs(args.interval)[args.run]
-        out_dir, saved = WORK / name, WORK / f"{name}.json"
-        shutil.rmtree(out_dir, ignore_errors=True)
-        began = time.time()
-        result = run_stream(queries, OnlineConfig(core, args.max_new_tokens, 1, 0), out_dir,
-                            on_status=lambda text: print(f"[{name}] {text}", flush=True))
-        result["wall_seconds"] = time.time() - began
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(result))
-        return
+def run_one(args, queries, name: str) -> None:
+    """One configuration served in this process (a serving core per process: a second engine
+    thread's OpenMP team would slow the first's forwards 1.6x)."""
+    core = configs(args.interval)[name]
+    out_dir, saved = WORK / name, WORK / f"{name}.json"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    began = time.time()
+    result = run_stream(queries, OnlineConfig(core, args.max_new_tokens, 1, 0), out_dir, on_status=lambda text: print(f"[{name}] {text}", flush=True))
+    result["wall_seconds"] = time.time() - began
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(result))
+
+
+def passed_args(args) -> list[str]:
+    """This command's arguments less --only, for the child runs."""
+    return [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
+
+
+def collect(args) -> tuple[dict, dict]:
+    """Each configuration's rows (run now in a child process if --only names it), and its result."""
     results, summaries = {}, {}
     for name in configs(args.interval):
         saved = WORK / f"{name}.json"
         if not args.only or name in args.only.split(","):
-            passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
-            subprocess.run([sys.executable, __file__, *passed, "--run", name], check=True)
+            subprocess.run([sys.executable, __file__, *passed_args(args), "--run", name], check=True)
         if not saved.exists():
             print(f"{name}: not run yet (run it with --only {name})")
             continue
@@ -192,12 +169,13 @@ def main() -> None:
             raise SystemExit(f"{name}: {sum('error' in r for r in rows)} requests failed; see {saved}")
         results[name], summaries[name] = rows, result
         print(f"{name}: {pooled(rows):.1f} tok/s, alpha {alpha(rows):.3f} ({result.get('wall_seconds', 0):.0f} s)", flush=True)
+    return results, summaries
 
-    if set(results) != set(configs(args.interval)):
-        return
+
+def compare(args, results: dict, summaries: dict, table: list[str], figures: dict) -> None:
+    """Each configuration's row against ``static`` and the target alone over the last ``--last``."""
     static, target = results["static"], results["target"]
     cut = len(static) - args.last
-    table, figures = [], {}
     for name, rows in results.items():
         identical = sum(a.get("text_sha256") == b.get("text_sha256") for a, b in zip(rows, target))
         last, last_static = rows[cut:], static[cut:]
@@ -215,13 +193,18 @@ def main() -> None:
         table.append(f"| {name} | {pooled(rows):.1f} | {pooled(last):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | {vs_target:.2f}x | "
                      f"{alpha(rows[: args.last]):.3f} -> {alpha(last):.3f} | {kept} | "
                      f"{figures[name]['published']}/{figures[name]['updates']} | {identical}/{len(rows)} |")
-    passed = [a for a in sys.argv[1:] if not a.startswith("--only") and a not in (args.only or "",)]
+
+
+def compare_again(args, results: dict, table: list[str], figures: dict) -> None:
+    """The last ``--last`` requests served again by what ``online`` learned (AGAIN), run if missing."""
+    static, target = results["static"], results["target"]
+    cut = len(static) - args.last
     for mode, label in AGAIN.items():
         again_file = WORK / f"{mode}.json"
         if (args.only and mode in args.only.split(",")) or ("online" in (args.only or "").split(",")) or not again_file.exists():
             if mode == "paused-norecord":
-                subprocess.run([sys.executable, __file__, *passed, "--run", "export-head"], check=True)
-            subprocess.run([sys.executable, __file__, *passed, "--run", mode], check=True)
+                subprocess.run([sys.executable, __file__, *passed_args(args), "--run", "export-head"], check=True)
+            subprocess.run([sys.executable, __file__, *passed_args(args), "--run", mode], check=True)
         again = sorted(json.loads(again_file.read_text())["requests"], key=lambda r: r["i"])
         samples = [(a["new_tokens"], a["seconds"], b["new_tokens"], b["seconds"]) for a, b in zip(again, static[cut:])]
         low, high = bootstrap_ratio(samples)
@@ -233,21 +216,52 @@ def main() -> None:
         kept = ", ".join(f"{s} {v['accepted_tokens']}/{v['draft_tokens']}" for s, v in drafters(again).items()) or "-"
         table.append(f"| {label} (the last {args.last} again) | - | {pooled(again):.1f} | {ratio:.3f}x ({low:.3f}-{high:.3f}) | "
                      f"{pooled(again) / pooled(target[cut:]):.2f}x | - -> {alpha(again):.3f} | {kept} | - | {identical}/{len(again)} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    title = f"{args.n} {args.domain} requests (online split), one at a time, {args.max_new_tokens} new tokens"
-    plot(results, args.out.with_suffix(".png"), title)
-    command = f"python bench/suffix_stream.py --domain {args.domain} --n {args.n} --last {args.last} --interval {args.interval}"
+
+
+def write(args, results: dict, table: list[str], figures: dict) -> None:
+    plot(results, args.out.with_suffix(".png"), f"{args.n} {args.domain} requests (online split), one at a time, {args.max_new_tokens} new tokens")
+    command = ["python", "bench/suffix_stream.py", "--domain", args.domain, "--n", str(args.n), "--last", str(args.last), "--interval", str(args.interval)]
+    machine = harness.machine()
     header = [
-        f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
-        f"| configuration | tok/s, all {args.n} | tok/s, last {args.last} | last {args.last} / static (95% interval) | "
+        (f"Command: `{shlex.join(command)}`. Machine: {machine['platform']}, {machine['cpu_model']}, {machine['torch_threads']} torch threads. "
+        f"Date: {machine['date']}."), "",
+        (f"| configuration | tok/s, all {args.n} | tok/s, last {args.last} | last {args.last} / static (95% interval) | "
         f"last {args.last} / target alone | alpha first {args.last} -> last {args.last} | proposals kept/sent, last {args.last} | "
-        "updates published | identical to target alone |",
+        "updates published | identical to target alone |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     args.out.with_suffix(".md").write_text("\n".join(header + table) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "figures": figures}, indent=1))
+    harness.write_result(args.out.with_suffix(".json"), {"machine": machine, "figures": figures}, command=command)
     print("\n".join(header + table))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--domain", default="math_ml")
+    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--last", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--interval", type=int, default=10, help="I: the head's update interval (requests)")
+    parser.add_argument("--only", default=None, help="comma-separated configurations to (re)run; the others are read from WORK")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "suffix-stream")
+    args = parser.parse_args()
+    pool = split_queries(stream_pools([args.domain])[args.domain], "online")
+    queries = abrupt_shifts({args.domain: pool}, args.n, seed=0)
+    if args.run in AGAIN:
+        serve_last_again(queries, args, args.run)
+    elif args.run == "export-head":
+        export_head()
+    elif args.run:
+        run_one(args, queries, args.run)
+    else:
+        results, summaries = collect(args)
+        if set(results) != set(configs(args.interval)):
+            return
+        table, figures = [], {}
+        compare(args, results, summaries, table, figures)
+        compare_again(args, results, table, figures)
+        write(args, results, table, figures)
 
 
 if __name__ == "__main__":

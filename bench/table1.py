@@ -8,19 +8,23 @@ and is scored on that domain's held-out prompts (the target's greedy answers).
     python bench/table1.py                      # ~35 min on 2 CPU cores; cached signals reused
     python bench/table1.py --report-only        # table and plot from the saved cells
 
-Writes docs/results/table1.md, docs/results/table1.png and docs/results/table1.json.
+Writes docs/results/table1.md, docs/results/table1.png and docs/results/table1.json (the table under "table",
+beside the command, machine and date).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "results"
-WORK = ROOT / "runs" / "table1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+DOCS = harness.RESULTS
+WORK = harness.RUNS / "table1"
 DOMAINS = ("chat", "code", "math")
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 SAMPLING_MODES = ("teacher", "student", "mixed")
@@ -77,11 +81,6 @@ def run_cells(steps: int, original_steps: int, queries: int, batch_size: int) ->
 
 
 def report(cells: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     def step1(fig: dict, domain: str) -> float:
         return fig[domain]["step_acceptance"][0]
 
@@ -104,10 +103,10 @@ def report(cells: dict) -> None:
         "# Table 1 on our data: acceptance of specialised drafts",
         "",
         "Command: `python bench/table1.py` (see its docstring). Target: SmolLM2-135M-Instruct, bf16, 2 CPU cores.",
-        f"Each cell: the chat-only original head specialised for {any_cell['run']['steps']} steps (batch {any_cell['run']['batch_size']}, lr "
+        (f"Each cell: the chat-only original head specialised for {any_cell['run']['steps']} steps (batch {any_cell['run']['batch_size']}, lr "
         f"{any_cell['run']['lr']}) on {any_cell['run']['queries']} warm-up queries of the domain, scored on the domain's 20 "
         "held-out prompts (the target's greedy answers, 64 tokens). Figures: step-1 greedy acceptance (the paper's "
-        "alpha for a first proposal) and, in brackets, the expected accepted tokens per round at k = 4.",
+        "alpha for a first proposal) and, in brackets, the expected accepted tokens per round at k = 4."),
         "",
         "| draft | " + " | ".join(DOMAINS) + " |",
         "|---|" + "---|" * len(DOMAINS),
@@ -117,8 +116,8 @@ def report(cells: dict) -> None:
         lines.append(f"| {row} | " + " | ".join(f"{a:.3f} ({t:.2f})" if a is not None else "-" for a, t in (v or (None, None) for v in vals)) + " |")
     lines += ["", *findings(table)]
     (DOCS / "table1.md").write_text("\n".join(lines) + "\n")
-    (DOCS / "table1.json").write_text(json.dumps({r: {d: v for d, v in table[r].items()} for r in rows}, indent=1))
-    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(15, 4.5), sharey=True)
+    harness.write_result(DOCS / "table1.json", {"table": {r: {d: v for d, v in table[r].items()} for r in rows}})
+    fig, axes = harness.figure(1, len(DOMAINS), figsize=(15, 4.5), sharey=True)
     for ax, domain in zip(axes, DOMAINS):
         names = [r for r in rows if domain in table[r]]
         values = [table[r][domain][0] for r in names]
@@ -129,8 +128,7 @@ def report(cells: dict) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("held-out step-1 acceptance")
     fig.suptitle("Table 1 on our data: original vs fine-tuned vs distilled (loss x signal)")
-    fig.tight_layout()
-    fig.savefig(DOCS / "table1.png", dpi=120)
+    harness.save(fig, DOCS / "table1.png")
     print("\n".join(lines))
 
 

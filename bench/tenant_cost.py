@@ -15,11 +15,12 @@ tokens the suffix index proposed and the target kept, and tokens/s; acceptance i
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split as split_queries
@@ -27,7 +28,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.core import ServingCore
 
-WORK = Path("runs/tenant-cost")
+WORK = harness.RUNS / "tenant-cost"
 
 
 def serve(queries, tenants: int, new_tokens: int) -> dict:
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=120)
     parser.add_argument("--tenants", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/tenant-cost"))
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "tenant-cost")
     args = parser.parse_args()
     queries = split_queries(stream_pools([args.domain])[args.domain], "online")[: args.n]
     rows = []
@@ -69,20 +70,15 @@ def main() -> None:
         print(f"serving {len(queries)} {args.domain} requests as {t} tenant(s)", flush=True)
         rows.append(serve(queries, t, args.new_tokens))
         print(f"  -> {rows[-1]}", flush=True)
-    result = {"command": f"python bench/tenant_cost.py --domain {args.domain} --n {args.n} --tenants {args.tenants} "
-                         f"--new-tokens {args.new_tokens}",
-              "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "date": time.strftime("%Y-%m-%d"), "rows": rows}
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    result = {"rows": rows}
+    harness.write_result(args.out.with_suffix(".json"), result, command=["python", "bench/tenant_cost.py", "--domain", args.domain, "--n", str(args.n),
+                                                                         "--tenants", args.tenants, "--new-tokens", str(args.new_tokens)])
     plot(result, args.out.with_suffix(".png"))
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = harness.figure(figsize=(5.5, 3.5))
     labels = ["shared" if r["tenants"] == 1 else f"{r['tenants']} tenants" for r in rows]
     ax.bar(labels, [r["alpha"] for r in rows], color=["#888"] + ["#4a7"] * (len(rows) - 1))
     for i, r in enumerate(rows):
@@ -90,8 +86,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("alpha (pooled)")
     ax.set_title("Acceptance: one shared suffix index vs one per tenant", fontsize=10)
     ax.set_ylim(0, max(r["alpha"] for r in rows) * 1.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 from onlinespec.data.sources import stream_pools
 from onlinespec.data.splits import split
@@ -61,12 +65,7 @@ def per_token(wrote: torch.Tensor, proposed: torch.Tensor, tokens: list[int]) ->
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    fig, axes = harness.figure(1, 2, figsize=(12, 5.5))
     for ax, key in zip(axes, ("recall", "precision")):
         before = [r[f"{key}_before"] for r in rows]
         after = [r[f"{key}_after"] for r in rows]
@@ -81,8 +80,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{key}, 100 most frequent target tokens (size: frequency)")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -125,14 +123,14 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
     lines = [
         f"# Token analysis: what online learning taught the draft ({args.domain})", "",
-        f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
-        f"{len(queries)} held-out `{args.domain}` requests (never served while learning), the target's greedy answers "
+        (f"Command: `{command}`. Machine: {platform.platform()}, {torch.get_num_threads()} torch threads. "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."), "",
+        (f"{len(queries)} held-out `{args.domain}` requests (never served while learning), the target's greedy answers "
         f"({len(wrote)} generated positions), teacher forced; per token, the head's first proposal from the target's "
         f"feature (arXiv 2310.07177, section 5.5). The {args.top} most frequent target tokens are {share:.1%} of all "
-        f"generated tokens. Before: the packaged head; after: `{version}` of `{args.registry}`.", "",
-        f"- First-proposal agreement over all positions: {overall['agreement_before']:.3f} before, "
-        f"{overall['agreement_after']:.3f} after.",
+        f"generated tokens. Before: the packaged head; after: `{version}` of `{args.registry}`."), "",
+        (f"- First-proposal agreement over all positions: {overall['agreement_before']:.3f} before, "
+        f"{overall['agreement_after']:.3f} after."),
         f"- Recall rose on {gained_recall} of the {args.top} tokens, precision on {gained_precision}.", "",
         "![token analysis](" + args.out.with_suffix(".png").name + ")", "",
         "| token | count | recall before | recall after | precision before | precision after |",
@@ -142,7 +140,7 @@ def main() -> None:
         lines.append(f"| `{json.dumps(r['text'])[1:-1].replace('|', '&#124;')}` | {r['count']} | {r['recall_before']:.2f} | "
                      f"{r['recall_after']:.2f} | {r['precision_before']:.2f} | {r['precision_after']:.2f} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"overall": overall, "share_top": share, "rows": rows}, indent=1))
+    harness.write_result(args.out.with_suffix(".json"), {"overall": overall, "share_top": share, "rows": rows})
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}: agreement "
           f"{overall['agreement_before']:.3f} -> {overall['agreement_after']:.3f}")
 

@@ -14,14 +14,17 @@ Prints a table and writes docs/results/turn-units.json.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from onlinespec.benchmark import machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools
+
+import harness
+
 from onlinespec.distill.step import DistillConfig
 from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_target
@@ -29,7 +32,7 @@ from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.learnable import HeadDraft
 from onlinespec.online.learner import LearnerConfig
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
+DOCS = harness.RESULTS
 
 
 def main(folder: str) -> None:
@@ -40,7 +43,7 @@ def main(folder: str) -> None:
     config, draft, distill = LearnerConfig(), HeadDraft(), DistillConfig()
     held = records[-max(1, int(len(records) * 0.2)):]  # the gate's newest 20% (one domain)
     train = records[: len(records) - len(held)]
-    out = {"command": " ".join(["python", *sys.argv]), "machine": machine_info(), "records": len(records), "held_out": len(held)}
+    out = {"records": len(records), "held_out": len(held)}
 
     start = time.perf_counter()
     objective = draft.objective(train, config.position_policy, config.chain_depth, config.distill)
@@ -63,11 +66,11 @@ def main(folder: str) -> None:
     out["gate_evaluation_one_unit_s"] = time.perf_counter() - began
     marks = [time.perf_counter()]
     chunked = draft.metrics(candidate, held, distill, between=lambda: marks.append(time.perf_counter()))
-    pieces = [b - a for a, b in zip(marks, marks[1:])]
+    pieces = [b - a for a, b in itertools.pairwise(marks)]
     out["gate_evaluation_chunks"] = len(pieces)
     out["gate_evaluation_longest_chunk_s"] = max(pieces)
     assert abs(whole["alpha"] - chunked["alpha"]) < 1e-6  # the same figures, in pieces
-    DOCS.joinpath("turn-units.json").write_text(json.dumps(out, indent=1))
+    harness.write_result(DOCS / "turn-units.json", out)
     print(f"{len(records)} records ({len(held)} held out), {out['examples']} examples")
     for key in ("build_examples_s", "optimizer_step_s", "gate_evaluation_one_unit_s", "gate_evaluation_longest_chunk_s"):
         print(f"{key:36s} {out[key]:.3f}")

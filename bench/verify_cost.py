@@ -16,18 +16,18 @@ width by width (this machine's speed drifts): the median milliseconds of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from onlinespec.benchmark import machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner, cpu_threads
 from onlinespec.formats import served_file
 from onlinespec.models import default_gguf_path
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 100
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--formats", default="as-is,q8_0")
     parser.add_argument("--max-width", type=int, default=8)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "verify-cost.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "verify-cost.json")
     args = parser.parse_args()
     shipped = default_gguf_path()
     files = {fmt: served_file(shipped, fmt) for fmt in args.formats.split(",")}
@@ -84,10 +84,7 @@ def main() -> None:
         print(f"rep {rep + 1}/{args.reps + 2}", flush=True)
     ms = {f"{fmt} | {name}": [round(1000 * statistics.median(times[(fmt, name)][w]), 2) for w in range(1, args.max_width + 1)]
           for fmt, name in methods}
-    result = {"command": " ".join(["python", "bench/verify_cost.py", *sys.argv[1:]]), "machine": machine_info(), "threads": cpu_threads(),
-              "prompt_tokens": PROMPT, "files": {k: str(v) for k, v in files.items()}, "ms": ms}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    harness.write_result(args.out, {"threads": cpu_threads(), "prompt_tokens": PROMPT, "files": {k: str(v) for k, v in files.items()}, "ms": ms})
     print("| file and method | " + " | ".join(f"w={w}" for w in range(1, args.max_width + 1)) + " | t(5)/t(1) |")
     print("|---|" + "---|" * (args.max_width + 1))
     for key, row in ms.items():

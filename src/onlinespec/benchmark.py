@@ -7,10 +7,13 @@ hits them alike. For each prompt the order of the three is rotated. Figures are 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import importlib.metadata
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -296,15 +299,38 @@ def _cost_estimate(runs: dict[str, list], k: int):
 
 
 def machine_info() -> dict:
+    """Where and when a figure was measured: every result JSON of `bench` and bench/ carries it."""
+    memory = _proc_field("/proc/meminfo", "MemTotal")
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "ram_gib": round(int(memory.split()[0]) / 2**20, 1) if memory else None,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "llama_cpp_python": next((d.version for d in importlib.metadata.distributions(name="llama_cpp_python")), None),
         "python": platform.python_version(),
+        "git_commit": _git_commit(),
     }
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    with contextlib.suppress(OSError):
+        return next((line.split(":", 1)[1].strip() for line in open(path) if line.split(":", 1)[0].strip() == key), None)
+    return None
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with "-dirty" when files differ from it); None outside a checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], check=False, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"], check=False, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------
