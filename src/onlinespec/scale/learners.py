@@ -78,9 +78,7 @@ class LearnerService:
         def new_draft():
             return make_proposer(config.draft, target, config.dtype).proposer, None
 
-        self.pool = DraftPool(new_draft, self.out_dir, Router("single"), config.learner, config.buffer_policy,
-                              config.buffer_records, on_event=self._event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity,
+        self.pool = DraftPool(new_draft, self.out_dir, Router("single"), config.pool_config(self.identity), on_event=self._event,
                               owns=lambda name: group_of(name, groups) == group)
         self._seen: dict[str, OrderedDict] = {}
         self._seen_lock = threading.Lock()

@@ -182,13 +182,11 @@ class ServingCore:
         if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
             self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
                                        adaptive, config.k)
-        self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
-                              config.buffer_records, on_event=self.learner_event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity,
-                              suffix_tokens=config.suffix_tokens if learning else 0,
-                              content=config.content if content else None, max_in_memory=config.max_drafts,
-                              learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None,
+        pool = config.pool_config(self.identity, learner=config.learner if learning and config.head_updates else None,
+                                  suffix_tokens=config.suffix_tokens if learning else 0, content=config.content if content else None,
+                                  suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE, keeps_buffers=not self.replica)
+        self.pool = DraftPool(new_draft, self.out_dir, router, pool, on_event=self.learner_event, learners=self._learners,
+                              turns=self.share.turns if self.share is not None else None,
                               born={FRESH: lambda: new_draft(config.fresh_draft)} if config.fresh_baseline else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
