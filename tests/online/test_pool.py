@@ -31,8 +31,8 @@ def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_re
 
     release = threading.Event()
     first = pool.route("a").learner
-    run_update = first._run_update
-    first._run_update = lambda: (release.wait(60), run_update())  # hold the slot until b and c are due
+    run_update = first.updater.run
+    first.updater.run = lambda *snapshot: (release.wait(60), run_update(*snapshot))  # hold the slot until b and c are due
     for domain in "aabbcc":
         serve(domain)
     assert first.busy and pool.route("b").learner.due and pool.route("c").learner.due

@@ -31,8 +31,9 @@ import torch
 
 from onlinespec.factory import make_proposer
 from onlinespec.models import load_model
-from onlinespec.online.learner import LearnerConfig, load_version
+from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import DraftPool, learner_row, saved_drafts
+from onlinespec.online.publisher import load_version
 from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.routing.domains import Router
