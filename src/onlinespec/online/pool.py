@@ -61,7 +61,11 @@ RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts on dis
 
 
 @dataclass
-class Draft:
+class ServedDraft:
+    """A draft as the server serves it: its name, proposer, acceptance statistics, learner and suffix
+    index (formerly ``Draft``, which still imports: a name it shared with the drafts/ recipes and the
+    request field)."""
+
     name: str
     proposer: Proposer | None  # None: the target alone
     adaptive: AdaptiveK | None  # its own acceptance statistics (adaptive k)
@@ -73,6 +77,9 @@ class Draft:
     @property
     def version(self) -> str | None:
         return self.proposer.version if self.proposer is not None else None
+
+
+Draft = ServedDraft  # the name before issue 50
 
 
 def learner_row(learner: OnlineLearner) -> dict:
@@ -173,7 +180,7 @@ class DraftPool:
         self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
-        self.drafts: dict[str, Draft] = {}
+        self.drafts: dict[str, ServedDraft] = {}
         self._slot = threading.Semaphore(1)
         self._lock = threading.RLock()
         self.paused = False  # learning paused: requests are still recorded, no update starts
@@ -181,11 +188,11 @@ class DraftPool:
         if config.content is not None:
             if config.learner is None:
                 raise ValueError("content routing needs learning drafts: it scores and trains them on the traffic it routes")
-            static = Draft(STATIC, *new_draft(), None)  # the floor: scored on every request, never trained
+            static = ServedDraft(STATIC, *new_draft(), None)  # the floor: scored on every request, never trained
             self.content = ContentRouting(config.content, self.out_dir, self, static, self._lock, config.max_in_memory, self.on_event,
                                           config.learner.priority)
 
-    def open(self, name: str, start_from: Draft | None = None) -> Draft:
+    def open(self, name: str, start_from: ServedDraft | None = None) -> ServedDraft:
         """The draft called ``name``, in memory: created, or opened from its registry, on first use
         (a new one is a copy of ``start_from``, or the starting draft)."""
         with self._lock:
@@ -193,12 +200,12 @@ class DraftPool:
                 self.drafts[name] = self._create(name, start_from)
             return self.drafts[name]
 
-    def route(self, domain: str) -> Draft:
+    def route(self, domain: str) -> ServedDraft:
         """The draft that serves a request of ``domain`` (created on first use)."""
         with self._lock:
             return self.open(self.router(domain))
 
-    def _create(self, name: str, start_from: Draft | None = None) -> Draft:
+    def _create(self, name: str, start_from: ServedDraft | None = None) -> ServedDraft:
         """A draft called ``name``: from its registry's current version if it has one, else a copy
         of ``start_from``'s model (its registry's first version says so) or the starting draft."""
         proposer, adaptive = self.born.get(name, self.new_draft)()
@@ -220,7 +227,7 @@ class DraftPool:
             data = learner.governance()
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
                            "quarantined": data["quarantined"]})
-        draft = Draft(name, proposer, adaptive, learner)
+        draft = ServedDraft(name, proposer, adaptive, learner)
         if index is not None and self.config.suffix_tokens > 0:
             self.suffixes.open(name, index)
             draft.suffix = index
@@ -247,7 +254,7 @@ class DraftPool:
             self._start_next()
         return stored
 
-    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True,
+    def observe(self, draft: ServedDraft, generation: Generation, domain: str, request_id: str, train: bool = True,
                 route: Route | None = None, tenant: str = "") -> bool:
         """Record a served request with its draft's learner (durable when this returns; whether
         every record was stored); then, if the slot is free, start the update that has waited
@@ -371,7 +378,7 @@ class DraftPool:
             draft.learner.stop(timeout=60)
         self.suffixes.close(name)
 
-    def alphas(self, drafts: dict[str, Draft], records: list) -> dict[str, float]:
+    def alphas(self, drafts: dict[str, ServedDraft], records: list) -> dict[str, float]:
         """Each draft's alpha on a recorded request's records (content routing's scorer thread)."""
         distill = self.config.learner.distill
         with torch.inference_mode():
@@ -379,7 +386,7 @@ class DraftPool:
 
     # ---- operators ------------------------------------------------------------------------
 
-    def learned(self, name: str) -> Draft:
+    def learned(self, name: str) -> ServedDraft:
         """The learning draft called ``name``; a KeyError names the ones there are."""
         draft = self.drafts.get(name)
         if draft is None or draft.learner is None:

@@ -18,7 +18,7 @@ import torch
 from onlinespec.cpu import name_thread
 from onlinespec.decoding.request import Generation, RequestStats
 from onlinespec.metrics import speculative_decoding
-from onlinespec.online.pool import Draft, DraftPool
+from onlinespec.online.pool import DraftPool, ServedDraft
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import Failed, Handle, Served
 from onlinespec.serve.metrics import ServeMetrics
@@ -35,7 +35,7 @@ class RecordWriter:
 
     def __init__(self, pool: DraftPool, metrics: ServeMetrics, config: CoreConfig, event: Callable[[dict], None],
                  release: Callable[[Handle], None], replica: str | None = None,
-                 on_served: Callable[[Draft, RequestStats], None] | None = None) -> None:
+                 on_served: Callable[[ServedDraft, RequestStats], None] | None = None) -> None:
         self.pool, self.metrics, self.config, self.replica = pool, metrics, config, replica
         self.event, self.release, self.on_served = event, release, on_served
         self.served = 0  # requests answered
