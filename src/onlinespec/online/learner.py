@@ -34,7 +34,8 @@ from onlinespec.online.registry import DraftRegistry
 from onlinespec.online.turns import EngineTurns
 from onlinespec.online.update import Updater, UpdateReport
 
-__all__ = ["PRIORITIES", "UNITS", "LearnerConfig", "OnlineLearner", "UpdateReport", "load_version"]  # the last four: moved, kept here
+# all but OnlineLearner live in config.py, update.py and publisher.py now, and import from here as before
+__all__ = ["PRIORITIES", "UNITS", "LearnerConfig", "OnlineLearner", "UpdateReport", "load_version"]
 
 log = logging.getLogger("onlinespec.learner")
 
