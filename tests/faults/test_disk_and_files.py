@@ -92,7 +92,7 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
         subprocess.run([sys.executable, "-m", "onlinespec.cli", "drafts", "rollback", "--dir", str(out / "drafts"),
                         "--draft", "code"], check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 15
-        while learner._current != parent or learner.busy:
+        while learner.publisher.current != parent or learner.busy:
             assert time.monotonic() < deadline, "the running process never took the rollback"
             time.sleep(0.1)
         assert learner.registry.current() == parent and learner.registry.versions()[-1] == current  # nothing published over it

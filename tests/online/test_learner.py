@@ -91,7 +91,7 @@ class _SplitVerdict(OnlineLearner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        serving, real = self._latest[0], self.learnable
+        serving, real = self.publisher.latest[0], self.learnable
 
         class Judge:
             copy, load, adapt, cold = real.copy, real.load, real.adapt, real.cold
@@ -106,7 +106,8 @@ class _SplitVerdict(OnlineLearner):
                 old = sum(r.domain == "old" for r in records) / len(records)
                 return {"loss": 1.0, "alpha": 0.5 + 0.2 * (1 - old) - 0.1 * old}
 
-        self.learnable = Judge()
+        judge = Judge()  # what trains and judges the candidate
+        self.learnable = self.updater.learnable = self.updater.trainer.learnable = self.updater.gate.learnable = judge
 
 
 def test_domain_gate_refuses_a_candidate_that_serves_an_earlier_domain_worse(tiny_llama, tmp_path):
@@ -137,7 +138,7 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
     from types import SimpleNamespace
 
     *_, learner = setup(tiny_llama, tmp_path, background=False)
-    serving, candidate = learner._latest[0], object()
+    serving, candidate = learner.publisher.latest[0], object()
 
     class Judge:
         pool = None
@@ -149,7 +150,7 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
                 out["replayed"], out["requests"] = float(values.mean()), torch.stack([10 * values, torch.full_like(values, 10)], 1)
             return {**out, "alphas": values} if per_position else out
 
-    learner.learnable = Judge()
+    learner.updater.gate.learnable = Judge()
     gen = torch.Generator().manual_seed(0)
 
     def domain(name: str, gain: float, spread: float, n: int = 200) -> list:
@@ -159,9 +160,9 @@ def test_domain_gate_lets_a_domain_move_by_its_noise_but_not_fall(tiny_llama, tm
         return [SimpleNamespace(domain=name, before=float(b), after=float(a)) for b, a in zip(before, after)]
 
     grows = domain("a", 0.12, 0.1)
-    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.003, 0.15)}, figure)
+    _, _, by_domain, passed = learner.updater.gate.judge(serving, candidate, {"a": grows, "b": domain("b", -0.003, 0.15)}, figure)
     assert passed and by_domain["b"][1] < by_domain["b"][0]  # fell by 0.003, with a standard error of about 0.01
-    _, _, by_domain, passed = learner._gate(serving, candidate, {"a": grows, "b": domain("b", -0.05, 0.05)}, figure)
+    _, _, by_domain, passed = learner.updater.gate.judge(serving, candidate, {"a": grows, "b": domain("b", -0.05, 0.05)}, figure)
     assert not passed  # fell by 0.05, with a standard error of about 0.004
 
 
@@ -170,11 +171,11 @@ def test_domain_gate_holds_out_the_newest_records_of_each_domain(tiny_llama, tmp
 
     *_, learner = setup(tiny_llama, tmp_path, background=False, gate_fraction=0.25)
     records = [SimpleNamespace(domain=d, n=i) for i, d in enumerate("aaaaaaaabbbbc")]
-    train, groups = learner._held_out(records)
+    train, groups = learner.updater.gate.held_out(records)
     assert {d: [r.n for r in rs] for d, rs in groups.items()} == {"a": [6, 7], "b": [11], "c": [12]}
     assert [r.n for r in train] == [0, 1, 2, 3, 4, 5, 8, 9, 10]
     learner.config.gate_by = "newest"
-    train, groups = learner._held_out(records)
+    train, groups = learner.updater.gate.held_out(records)
     assert [r.n for r in groups["all"]] == [10, 11, 12] and len(train) == 10
 
 
@@ -192,8 +193,8 @@ def test_drafts_sharing_an_update_slot_update_one_at_a_time_and_none_is_dropped(
             LearnerConfig(update_interval=4, steps_per_update=20, batch_size=8, priority="normal", position_policy="verified"),
             on_event=lambda event, name=name: events.append((name, event["event"], time.perf_counter())), slot=slot)
     # Hold the code draft's update until the maths draft is due, whatever the machine's speed.
-    release, run_code_update = threading.Event(), learners["code"]._run_update
-    learners["code"]._run_update = lambda: (release.wait(60), run_code_update())
+    release, run_code_update = threading.Event(), learners["code"].updater.run
+    learners["code"].updater.run = lambda *snapshot: (release.wait(60), run_code_update(*snapshot))
     for name, learner in learners.items():
         decoder = SpeculativeDecoder(target, None, learner.proposer, k=3)
         for prompt in prompts(4, seed=len(name)):
@@ -243,11 +244,11 @@ def test_next_gate_judges_a_candidate_on_the_requests_served_after_it(tiny_llama
     target, _, proposer, learner = setup(tiny_llama, tmp_path, background=False, gate="next", steps_per_update=10, update_interval=4)
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     serve(learner, decoder, 4)
-    assert learner.reports == [] and learner._next.pending is not None and len(learner._next.pending.records) == 4
+    assert learner.reports == [] and learner.updater.next.pending is not None and len(learner.updater.next.pending.records) == 4
     serve(learner, decoder, 4, seed=1)
     (report,) = learner.reports
     assert report.outcome == ("published" if report.alpha_after >= report.alpha_before else "refused")
-    assert len(learner._next.pending.records) == 8  # the next candidate trained on every record
+    assert len(learner.updater.next.pending.records) == 8  # the next candidate trained on every record
 
 
 def test_next_gate_refuses_a_worse_candidate(tiny_llama, tmp_path):

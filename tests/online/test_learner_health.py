@@ -58,7 +58,7 @@ def test_failed_updates_are_counted_and_the_learner_stops_after_max_failures(tin
     def broken(*args):
         raise RuntimeError("injected: the optimizer blew up")
 
-    learner._train = broken
+    learner.updater.train = broken
     for prompt in prompts(8):
         out = decoder.generate(prompt, PARAMS, trace=True)
         learner.observe(out)
@@ -66,7 +66,7 @@ def test_failed_updates_are_counted_and_the_learner_stops_after_max_failures(tin
     assert learner.stopped and "2 updates failed in a row" in learner.stopped and not learner.due
     assert [e["event"] for e in events] == ["update_start", "update_failed", "update_start", "update_failed", "learner_stopped"]
     assert decoder.generate(prompts(1, 7)[0], PARAMS).token_ids  # serving goes on
-    del learner._train  # fixed: an operator's update starts it again
+    del learner.updater.train  # fixed: an operator's update starts it again
     assert learner.update_now() and learner.stopped is None and learner.reports[-1].outcome == "published"
 
 
@@ -114,12 +114,12 @@ def test_the_update_steps_train_gate_and_publish_each_on_their_own(tiny_llama, t
     for prompt in prompts(4):
         learner.observe(decoder.generate(prompt, PARAMS, trace=True))
     records = learner.buffer.records()
-    serving, parent = learner._latest
-    candidate, optimizer, examples, steps = learner._train(serving, records)
+    serving, parent = learner.publisher.latest
+    candidate, optimizer, examples, steps = learner.updater.train(serving, records)
     assert candidate is not serving and examples == len(records) and learner.steps_done == steps == 3
-    before, after, by_domain, passed = learner._gate(serving, candidate, {"default": records[-1:]}, learner.gate_figure(False))
+    before, after, by_domain, passed = learner.updater.gate.judge(serving, candidate, {"default": records[-1:]}, learner.updater.gate.figure(False))
     assert set(before) >= {"loss", "alpha"} and by_domain == {} and passed  # gate margin 1: any candidate passes
     learner.registry.publish(serving.state_dict(), {"parent": parent, "note": "another process"})  # CURRENT moved meanwhile
-    assert learner._publish(candidate, {"parent": parent}, parent) is None  # its choice stands
-    assert learner.follow_registry() == learner.registry.current() == "v0002" and learner._current == "v0002"
-    assert learner._publish(candidate, {"parent": "v0002"}, "v0002") == "v0003"
+    assert learner.publisher.publish(candidate, {"parent": parent}, parent) is None  # its choice stands
+    assert learner.follow_registry() == learner.registry.current() == "v0002" and learner.publisher.current == "v0002"
+    assert learner.publisher.publish(candidate, {"parent": "v0002"}, "v0002") == "v0003"

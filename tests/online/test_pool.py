@@ -9,7 +9,7 @@ from onlinespec.decoding.proposers.draft_model import DraftModelProposer
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.online.learner import LearnerConfig
-from onlinespec.online.pool import DraftPool
+from onlinespec.online.pool import DraftPool, PoolConfig
 from onlinespec.routing.domains import Router
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -20,7 +20,7 @@ def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_re
     new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
     events = []
     config = LearnerConfig(update_interval=2, steps_per_update=5, batch_size=4, priority="normal", position_policy="verified")
-    pool = DraftPool(new_draft, tmp_path, Router("domain"), config,
+    pool = DraftPool(new_draft, tmp_path, Router("domain"), PoolConfig(config),
                      on_event=lambda e: events.append((e["event"], e["draft"])) if e["event"].startswith("update") else None)
     gen = torch.Generator().manual_seed(0)
 
@@ -31,8 +31,8 @@ def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_re
 
     release = threading.Event()
     first = pool.route("a").learner
-    run_update = first._run_update
-    first._run_update = lambda: (release.wait(60), run_update())  # hold the slot until b and c are due
+    run_update = first.updater.run
+    first.updater.run = lambda *snapshot: (release.wait(60), run_update(*snapshot))  # hold the slot until b and c are due
     for domain in "aabbcc":
         serve(domain)
     assert first.busy and pool.route("b").learner.due and pool.route("c").learner.due
@@ -49,7 +49,7 @@ def test_the_longest_waiting_update_takes_the_free_slot_and_draining_runs_the_re
 def test_a_spawned_draft_starts_from_its_parent_and_its_first_version_says_so(tiny_llama, tmp_path):
     new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
     config = LearnerConfig(update_interval=100, priority="normal")
-    pool = DraftPool(new_draft, tmp_path, Router("domain"), config)
+    pool = DraftPool(new_draft, tmp_path, Router("domain"), PoolConfig(config))
     parent = pool.open("code")
     with torch.no_grad():  # the parent learnt something the starting draft does not have
         for p in parent.proposer.model.parameters():
@@ -58,7 +58,7 @@ def test_a_spawned_draft_starts_from_its_parent_and_its_first_version_says_so(ti
     meta = child.learner.registry.meta(child.version)
     assert meta["spawned_from"] == {"draft": "code", "version": parent.version} and meta["parent"] is None
     # reloaded from its registry (evicted, or after a restart): the parent's copy, not the starting draft
-    again = DraftPool(new_draft, tmp_path, Router("domain"), config).open("c1-code")
+    again = DraftPool(new_draft, tmp_path, Router("domain"), PoolConfig(config)).open("c1-code")
     for mine, theirs in zip(again.proposer.model.state_dict().values(), parent.proposer.model.state_dict().values()):
         assert torch.equal(mine, theirs)
 
@@ -67,7 +67,7 @@ def test_a_draft_a_merge_retires_while_it_serves_leaves_memory_once_it_is_done(t
     from onlinespec.routing.content import ContentConfig
 
     new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
-    pool = DraftPool(new_draft, tmp_path, learner=LearnerConfig(update_interval=100, priority="normal"), content=ContentConfig())
+    pool = DraftPool(new_draft, tmp_path, config=PoolConfig(LearnerConfig(update_interval=100, priority="normal"), content=ContentConfig()))
     try:
         for name in ("c0", "c1"):
             pool.drafts[name] = pool._create(name)
@@ -89,12 +89,12 @@ def test_a_purge_reaches_a_draft_on_disk_that_is_not_in_memory(tiny_llama, tmp_p
     target = tiny_llama(seed=0, vocab_size=32, hidden_size=32)
     new_draft = lambda: (DraftModelProposer(tiny_llama(seed=5, vocab_size=32, hidden_size=32)), None)  # noqa: E731
     config = LearnerConfig(update_interval=100, priority="normal")
-    first = DraftPool(new_draft, tmp_path, Router("domain"), config)
+    first = DraftPool(new_draft, tmp_path, Router("domain"), PoolConfig(config))
     for rid, domain in (("gone", "code"), ("kept", "code"), ("other", "chat")):
         draft = first.route(domain)
         out = SpeculativeDecoder(target, None, draft.proposer, k=3).generate([1, 2, 3, 4], PARAMS, trace=True)
         first.observe(draft, out, domain, rid)
-    second = DraftPool(new_draft, tmp_path, Router("domain"), config)  # a restart: nothing opened yet
+    second = DraftPool(new_draft, tmp_path, Router("domain"), PoolConfig(config))  # a restart: nothing opened yet
     assert not second.drafts
     assert second.purge(request_id="gone") == 1 and not second.drafts  # nothing loaded to do it
     assert {r.request_id for r in second.open("code").learner.buffer.records()} == {"kept"}

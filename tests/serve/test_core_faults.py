@@ -69,10 +69,10 @@ def test_an_update_that_raises_is_counted_and_serving_goes_on(core):
     core.submit("x =", params, domain="code").result()
     learner = core.pool.drafts["code"].learner
 
-    def broken():
+    def broken(*snapshot):
         raise MemoryError("injected: the update ran out of memory")
 
-    learner._run_update = broken
+    learner.updater.run = broken
     core.submit("y =", params, domain="code").result()  # the second request makes the update due
     deadline = time.monotonic() + 30
     while not learner.failures:

@@ -1,4 +1,3 @@
-# Over 500 lines: one offline job (export the bundle, decode on the accelerator, train and save), each part short and named.
 """Bulk warm-up: distil a feature head on millions of the target's own tokens, on one accelerator.
 
 The CPU recipe (:mod:`onlinespec.drafts.warmup`) decodes about 600k tokens in some 25 minutes on
@@ -33,7 +32,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +42,8 @@ from onlinespec.distill.loop import run_steps
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig
 from onlinespec.distill.trainer import TrainConfig
+from onlinespec.drafts.bulk_decode import Job, decode, score
+from onlinespec.drafts.gguf_target import build_target, llama_state_dict_from_gguf
 from onlinespec.drafts.train import ChainConfig, ChainTask, evaluate_chain
 
 BUNDLE_VERSION = 1
@@ -50,20 +51,6 @@ BUNDLE_VERSION = 1
 
 # --------------------------------------------------------------------------------------------
 # The jobs: which warm-up queries, decoded how
-
-
-@dataclass(frozen=True)
-class Job:
-    """One batch of decoding work: ``samples`` continuations of each prompt at ``temperature``
-    (0: the single greedy answer)."""
-
-    name: str
-    temperature: float
-    samples: int
-    max_new_tokens: int
-    prompts: list[list[int]] = field(repr=False)
-    domains: list[str] = field(repr=False)
-    query_ids: list[str] = field(repr=False)
 
 
 def export_bundle(out: str | Path, max_prompt_tokens: int = 256, max_new_tokens: int = 256, seed: int = 0, heldout_per_domain: int = 20) -> dict:
@@ -135,166 +122,6 @@ def _shrunk(job: Job, n: int) -> Job:
 def _job(spec: dict) -> Job:
     return Job(spec["name"], float(spec["temperature"]), int(spec["samples"]), int(spec["max_new_tokens"]),
                spec["prompts"], spec["domains"], spec["query_ids"])
-
-
-# --------------------------------------------------------------------------------------------
-# The target, from its GGUF file (no tokenizer, no hub)
-
-
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's reordering of the query / key rows for its rotary layout."""
-    dim = weight.shape[0] // heads // 2
-    return weight.reshape(heads, dim, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
-
-
-def llama_state_dict_from_gguf(path: str | Path, config: dict) -> dict[str, torch.Tensor]:
-    """A Llama GGUF file's tensors, dequantized to fp32, under Hugging Face names (the same
-    tensors transformers' own GGUF loader gives; a test checks it)."""
-    import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    state = {}
-    for tensor in GGUFReader(str(path)).tensors:
-        shape = [int(s) for s in reversed(tensor.shape)]
-        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).float().reshape(shape)
-        parts = tensor.name.split(".")
-        if tensor.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif tensor.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif tensor.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
-            if parts[2] == "attn_q":
-                weight = _unpermute(weight, config["num_attention_heads"])
-            elif parts[2] == "attn_k":
-                weight = _unpermute(weight, config["num_key_value_heads"])
-        else:
-            raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a Llama model")
-        state[name] = weight
-    return state
-
-
-def build_target(config: dict, state: dict[str, torch.Tensor] | None, device: str):
-    """A Llama causal LM from a config dict and (optionally) its weights, fp32, on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("architectures", "transformers_version", "dtype", "torch_dtype")}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and config.get("tie_word_embeddings"))]
-        if missing or unexpected:
-            raise ValueError(f"the GGUF weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.tie_weights()
-    return model.to(device).eval().requires_grad_(False)
-
-
-# --------------------------------------------------------------------------------------------
-# Decoding and scoring
-
-
-def _batches(order: list[int], lengths: list[int], extra: int, token_budget: int, max_rows: int):
-    """Slices of ``order`` (longest first) whose padded size stays under ``token_budget``."""
-    batch: list[int] = []
-    for i in order:
-        width = lengths[batch[0] if batch else i] + extra  # the first of a batch is its longest
-        if batch and (width * (len(batch) + 1) > token_budget or len(batch) >= max_rows):
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
-
-
-@torch.inference_mode()
-def _generate(model, prompts: list[list[int]], job: Job, eos_ids: list[int], pad_id: int) -> list[list[int]]:
-    """The new tokens of each left-padded prompt (padding after EOS included)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    sampling = {"do_sample": True, "temperature": job.temperature, "top_k": 0, "top_p": 1.0} if job.temperature > 0 else {"do_sample": False}
-    return model.generate(
-        input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=job.max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=pad_id, **sampling,
-    )[:, width:].tolist()
-
-
-@torch.inference_mode()
-def decode(model, job: Job, eos_ids: list[int], pad_id: int, token_budget: int, max_rows: int, deadline: float, log=print) -> list[tuple[list[int], int, str, str]]:
-    """The target's continuations of ``job``: ``(prompt + answer ids, prompt length, domain, id)``
-    per sample, longest prompts first; stops starting batches once ``deadline`` has passed."""
-    items = [(p, d, f"{q}#s{s}" if job.samples > 1 else q) for s in range(job.samples) for p, d, q in zip(job.prompts, job.domains, job.query_ids)]
-    lengths = [len(p) for p, _, _ in items]
-    order = sorted(range(len(items)), key=lambda i: -lengths[i])
-    out = []
-    pending = list(_batches(order, lengths, job.max_new_tokens, token_budget, max_rows))
-    while pending:
-        batch = pending.pop(0)
-        if time.monotonic() > deadline:
-            log(f"  {job.name}: deadline reached after {len(out)}/{len(items)} sequences")
-            break
-        try:
-            generated = _generate(model, [items[i][0] for i in batch], job, eos_ids, pad_id)
-        except torch.cuda.OutOfMemoryError:
-            if len(batch) == 1:
-                raise
-            torch.cuda.empty_cache()
-            log(f"  {job.name}: out of memory at {len(batch)} rows, halving")
-            pending[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
-            continue
-        stop = set(eos_ids)
-        for r, i in enumerate(batch):
-            answer = generated[r]
-            end = next((n + 1 for n, t in enumerate(answer) if t in stop), len(answer))
-            prompt, domain, qid = items[i]
-            out.append((list(prompt) + answer[:end], len(prompt), domain, qid))
-    return out
-
-
-@torch.inference_mode()
-def score(model, sequences: list[tuple[list[int], int, str, str]], top_k: int = 32, token_budget: int = 131072, logit_rows: int = 16384) -> Signal:
-    """Teacher-forced pass over each sequence: the target's post-norm feature at every token and
-    its top-K log-probabilities for the next one (a :class:`Signal` on the model's device)."""
-    device = model.device
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    lengths = [len(s[0]) for s in sequences]
-    order = sorted(range(len(sequences)), key=lambda i: -lengths[i])
-    rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for batch in _batches(order, lengths, 0, token_budget, 4096):
-        width = max(lengths[i] for i in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, i in enumerate(batch):  # right padding: causal attention keeps the real tokens exact
-            ids[r, : lengths[i]] = torch.tensor(sequences[i][0])
-        hidden = decoder(input_ids=ids.to(device)).last_hidden_state
-        valid = torch.cat([hidden[r, : lengths[i]] for r, i in enumerate(batch)])
-        tops = [torch.log_softmax(head(valid[a: a + logit_rows]).float(), -1).topk(top_k, dim=-1) for a in range(0, len(valid), logit_rows)]
-        top_ids, top_lp = torch.cat([t.indices for t in tops]), torch.cat([t.values for t in tops])
-        first = 0
-        for i in batch:
-            n = lengths[i]
-            rows[i] = (valid[first: first + n].half(), top_ids[first: first + n], top_lp[first: first + n])
-            first += n
-    every = range(len(sequences))
-    return Signal(
-        torch.tensor([t for ids, *_ in sequences for t in ids], device=device),
-        torch.cat([rows[i][0] for i in every]), torch.cat([rows[i][1] for i in every]), torch.cat([rows[i][2] for i in every]),
-        torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.tensor(lengths, device=device).cumsum(0)]),
-        torch.tensor([s[1] for s in sequences], device=device),
-        [s[2] for s in sequences], [s[3] for s in sequences],
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,6 +133,19 @@ def evaluate_chain(head: FeatureHead, signal: Signal, depth: int = CHAIN_DEPTH, 
     return out
 
 
+def head_leading(head: FeatureHead, signal: Signal, k: int, batch: int, between: Callable[[], None]) -> torch.Tensor:
+    """[T, k]: at [t, m - 1], how many of the first m greedy steps ``head`` drafts from the chain
+    start t the target accepts (``between()`` after each ``batch`` of chain starts)."""
+    task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
+    correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
+    for first in range(0, len(task.starts), batch):
+        starts = task.starts[first: first + batch]
+        for j, logits, pos, valid in task.chain_outputs(head, starts, k):
+            correct[starts, j - 1] = (head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]) & valid
+        between()
+    return torch.cumprod(correct.int(), 1).cumsum(1)
+
+
 @torch.inference_mode()
 def replay_acceptance(
     head: FeatureHead, signal: Signal, k: int, batch: int = 4096,
@@ -159,15 +172,7 @@ def replay_acceptance(
     chain starts and every 32 sequences' rounds (where the online learner hands the engine its
     turn back).
     """
-    task = ChainTask(signal, ChainConfig(depth=k, generated_only=True))
-    correct = torch.zeros(signal.n_tokens, k, dtype=torch.bool)
-    for first in range(0, len(task.starts), batch):
-        starts = task.starts[first: first + batch]
-        for j, logits, pos, valid in task.chain_outputs(head, starts, k):
-            correct[starts, j - 1] = (head.vocab_ids[logits.argmax(-1)] == signal.top_ids[pos, 0]) & valid
-        between()
-    # leading[t, m - 1]: how many of the first m steps from start t are accepted
-    leading = torch.cumprod(correct.int(), 1).cumsum(1)
+    leading = head_leading(head, signal, k, batch, between)
     ids = signal.ids.cpu().numpy()
     tally = by_drafter if by_drafter is not None else {}
     out = []

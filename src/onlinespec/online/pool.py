@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,7 +61,11 @@ RETENTION_SWEEP_SECONDS = 600.0  # how often retention reaches the drafts on dis
 
 
 @dataclass
-class Draft:
+class ServedDraft:
+    """A draft as the server serves it: its name, proposer, acceptance statistics, learner and suffix
+    index (formerly ``Draft``, which still imports: a name it shared with the drafts/ recipes and the
+    request field)."""
+
     name: str
     proposer: Proposer | None  # None: the target alone
     adaptive: AdaptiveK | None  # its own acceptance statistics (adaptive k)
@@ -73,6 +77,9 @@ class Draft:
     @property
     def version(self) -> str | None:
         return self.proposer.version if self.proposer is not None else None
+
+
+Draft = ServedDraft  # the name before issue 50
 
 
 def learner_row(learner: OnlineLearner) -> dict:
@@ -124,70 +131,68 @@ def purge_saved(out_dir: str | Path, request_id: str | None = None, before: floa
             "event_lines": sum(drop_events(log, request_id, before) for log in logs)}
 
 
+@dataclass
+class PoolConfig:
+    """What a :class:`DraftPool` keeps and how (the objects it calls are its other arguments)."""
+    learner: LearnerConfig | None = None  # None: every draft serves static (no buffer, no registry)
+    buffer_policy: str = "window"
+    buffer_records: int = 2000
+    buffer_bytes: int = 512 * 2**20
+    retention_seconds: float | None = None
+    identity: dict = field(default_factory=dict)  # target, draft spec, tokenizer fingerprint: stored with every record and version
+    suffix_tokens: int = 0  # the most tokens a draft's suffix index keeps (0: it learns nothing)
+    suffix_file: str = SUFFIX_FILE  # the file a draft's suffix index is saved as in its registry folder (each Ray replica keeps its own)
+    content: ContentConfig | None = None  # route by content (onlinespec.routing.lifecycle; needs learner)
+    max_in_memory: int = MAX_DRAFTS  # content routing: the most drafts in memory (the idlest others wait in their registries)
+    keeps_buffers: bool | None = None  # the buffers under out_dir/buffer are this pool's to purge (None: unless learners puts them elsewhere)
+
+
 class DraftPool:
     def __init__(
         self,
         new_draft: Callable[[], tuple[Proposer, AdaptiveK | None]],
         out_dir: str | Path,
         router: Router | None = None,
-        learner: LearnerConfig | None = None,
-        buffer_policy: str = "window",
-        buffer_records: int = 2000,
+        config: PoolConfig | None = None,
         on_event: Callable[[dict], None] | None = None,
-        buffer_bytes: int = 512 * 2**20,
-        retention_seconds: float | None = None,
-        identity: dict | None = None,
-        suffix_tokens: int = 0,
-        content: ContentConfig | None = None,
-        max_in_memory: int = MAX_DRAFTS,
         learners: Callable[[str, Proposer], OnlineLearner] | None = None,
-        suffix_file: str = SUFFIX_FILE,
         owns: Callable[[str], bool] | None = None,
-        keeps_buffers: bool | None = None,
         turns: EngineTurns | None = None,
         born: dict[str, Callable[[], tuple[Proposer, AdaptiveK | None]]] | None = None,
     ) -> None:
-        """``new_draft()`` builds a fresh starting draft and its acceptance statistics;
-        ``learner=None`` serves every draft static (no buffer, no registry). ``identity``
-        (target, draft spec, tokenizer fingerprint) is stored with every record and version.
-        ``suffix_tokens``: the most tokens a draft's suffix index keeps (0: it learns nothing).
-        ``content``: route by content (:mod:`onlinespec.routing.lifecycle`; needs ``learner``), with at
-        most ``max_in_memory`` drafts in memory (the idlest others wait in their registries).
-        ``learners(name, proposer, origin)``: where a draft's learner lives (default: here, with its buffer
-        under ``out_dir/buffer/<name>``; a Ray replica passes a client of its learner actor).
-        ``suffix_file``: the file a draft's suffix index is saved as in its registry folder (each
-        Ray replica keeps its own). ``owns(name)``: whether this pool may purge draft ``name``'s
-        files on disk while it is not in memory (default: every draft; a Ray learner group, its own).
-        ``keeps_buffers``: whether the buffers under ``out_dir/buffer`` are this pool's to purge
-        (default: unless ``learners`` puts them elsewhere; a Ray replica's never are). ``turns``: the
-        serving engine's, in which this process's learners compute (:mod:`onlinespec.online.turns`).
-        ``born``: drafts that start otherwise than ``new_draft()``, by name (the fresh baseline)."""
-        self.out_dir = Path(out_dir)
-        self.new_draft, self.learner_config, self.born = new_draft, learner, born or {}
-        self.buffer_policy, self.buffer_records, self.buffer_bytes = buffer_policy, buffer_records, buffer_bytes
-        self.retention_seconds, self.identity = retention_seconds, identity or {}
-        self.suffix_tokens = suffix_tokens
-        self.suffixes = SuffixFiles(self.out_dir / "drafts", suffix_file, suffix_tokens, self.identity.get("tokenizer", ""))
+        """``new_draft()`` builds a fresh starting draft and its acceptance statistics; ``config``
+        (:class:`PoolConfig`) says what the pool keeps. ``learners(name, proposer, origin)``: where a
+        draft's learner lives (default: here, with its buffer under ``out_dir/buffer/<name>``; a Ray
+        replica passes a client of its learner actor). ``owns(name)``: whether this pool may purge
+        draft ``name``'s files on disk while it is not in memory (default: every draft; a Ray
+        learner group, its own). ``turns``: the serving engine's, in which this process's learners
+        compute (:mod:`onlinespec.online.turns`). ``born``: drafts that start otherwise than
+        ``new_draft()``, by name (the fresh baseline)."""
+        config = config or PoolConfig()
+        self.out_dir, self.config = Path(out_dir), config
+        self.new_draft, self.born, self.identity = new_draft, born or {}, config.identity or {}
+        self.suffixes = SuffixFiles(self.out_dir / "drafts", config.suffix_file, config.suffix_tokens, self.identity.get("tokenizer", ""))
         self._learners = learners or self._local_learner
-        self._keeps_buffers = learners is None if keeps_buffers is None else keeps_buffers
+        self._keeps_buffers = learners is None if config.keeps_buffers is None else config.keeps_buffers
         self.owns, self.turns = owns or (lambda name: True), turns
         self.suffix_purged = 0  # indexed requests purged (by request or by age)
         self._swept_at = time.monotonic()  # the last retention sweep of the drafts on disk only
         self.opted_out = 0
         self.on_event = on_event or (lambda event: None)
         self.router = router or Router("single")
-        self.drafts: dict[str, Draft] = {}
+        self.drafts: dict[str, ServedDraft] = {}
         self._slot = threading.Semaphore(1)
         self._lock = threading.RLock()
         self.paused = False  # learning paused: requests are still recorded, no update starts
         self.content: ContentRouting | None = None
-        if content is not None:
-            if learner is None:
+        if config.content is not None:
+            if config.learner is None:
                 raise ValueError("content routing needs learning drafts: it scores and trains them on the traffic it routes")
-            static = Draft(STATIC, *new_draft(), None)  # the floor: scored on every request, never trained
-            self.content = ContentRouting(content, self.out_dir, self, static, self._lock, max_in_memory, self.on_event, learner.priority)
+            static = ServedDraft(STATIC, *new_draft(), None)  # the floor: scored on every request, never trained
+            self.content = ContentRouting(config.content, self.out_dir, self, static, self._lock, config.max_in_memory, self.on_event,
+                                          config.learner.priority)
 
-    def open(self, name: str, start_from: Draft | None = None) -> Draft:
+    def open(self, name: str, start_from: ServedDraft | None = None) -> ServedDraft:
         """The draft called ``name``, in memory: created, or opened from its registry, on first use
         (a new one is a copy of ``start_from``, or the starting draft)."""
         with self._lock:
@@ -195,12 +200,12 @@ class DraftPool:
                 self.drafts[name] = self._create(name, start_from)
             return self.drafts[name]
 
-    def route(self, domain: str) -> Draft:
+    def route(self, domain: str) -> ServedDraft:
         """The draft that serves a request of ``domain`` (created on first use)."""
         with self._lock:
             return self.open(self.router(domain))
 
-    def _create(self, name: str, start_from: Draft | None = None) -> Draft:
+    def _create(self, name: str, start_from: ServedDraft | None = None) -> ServedDraft:
         """A draft called ``name``: from its registry's current version if it has one, else a copy
         of ``start_from``'s model (its registry's first version says so) or the starting draft."""
         proposer, adaptive = self.born.get(name, self.new_draft)()
@@ -214,7 +219,7 @@ class DraftPool:
         learner = None
         swappable = proposer is not None and proposer.swappable
         index = proposer.suffix_index if proposer is not None else None
-        if self.learner_config is not None and (swappable or index is None):  # a suffix proposer learns through its index alone
+        if self.config.learner is not None and (swappable or index is None):  # a suffix proposer learns through its index alone
             if not swappable:
                 raise ValueError(f"online learning needs a learned draft (a draft LM, a head, a hybrid) or a suffix index, "
                                  f"not {proposer.name if proposer is not None else 'none'!r}")
@@ -222,8 +227,8 @@ class DraftPool:
             data = learner.governance()
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
                            "quarantined": data["quarantined"]})
-        draft = Draft(name, proposer, adaptive, learner)
-        if index is not None and self.suffix_tokens > 0:
+        draft = ServedDraft(name, proposer, adaptive, learner)
+        if index is not None and self.config.suffix_tokens > 0:
             self.suffixes.open(name, index)
             draft.suffix = index
             self.on_event({"event": "suffix_index", "draft": name, **index.stats()})
@@ -231,11 +236,11 @@ class DraftPool:
 
     def _local_learner(self, name: str, proposer: Proposer, origin: dict | None = None) -> OnlineLearner:
         """A learner in this process, with its durable buffer and its registry under the out-dir."""
-        buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.buffer_policy, max_records=self.buffer_records,
-                              max_bytes=self.buffer_bytes, retention_seconds=self.retention_seconds,
+        buffer = ReplayBuffer(self.out_dir / "buffer" / name, self.config.buffer_policy, max_records=self.config.buffer_records,
+                              max_bytes=self.config.buffer_bytes, retention_seconds=self.config.retention_seconds,
                               identity=self.identity.get("tokenizer", ""))
         registry = DraftRegistry(self.out_dir / "drafts" / name)
-        return OnlineLearner(proposer, buffer, registry, self.learner_config, identity=self.identity,
+        return OnlineLearner(proposer, buffer, registry, self.config.learner, identity=self.identity,
                              on_event=lambda event: self.on_event({**event, "draft": name}), slot=self._slot, origin=origin,
                              turns=self.turns)
 
@@ -249,7 +254,7 @@ class DraftPool:
             self._start_next()
         return stored
 
-    def observe(self, draft: Draft, generation: Generation, domain: str, request_id: str, train: bool = True,
+    def observe(self, draft: ServedDraft, generation: Generation, domain: str, request_id: str, train: bool = True,
                 route: Route | None = None, tenant: str = "") -> bool:
         """Record a served request with its draft's learner (durable when this returns; whether
         every record was stored); then, if the slot is free, start the update that has waited
@@ -281,7 +286,7 @@ class DraftPool:
         """Open every draft a previous run in the out-dir published that the router serves (at
         start-up: a registry of another model is refused then, not at its domain's first
         request); their names."""
-        if self.learner_config is None and self.suffix_tokens <= 0:
+        if self.config.learner is None and self.config.suffix_tokens <= 0:
             return []
         if self.content is not None:  # the drafts in memory when it stopped; the others wait in their registries
             self.content.reopen(saved_drafts(self.out_dir),
@@ -298,14 +303,14 @@ class DraftPool:
         """Housekeeping, every second or so (the core's housekeeping thread): expire records
         past retention, serve the version another process made CURRENT, save suffix indices, and
         content routing's (:meth:`ContentRouting.tick`)."""
-        self.suffixes.expire(self.retention_seconds)
+        self.suffixes.expire(self.config.retention_seconds)
         self.suffixes.save()
         if self.content is not None:
             self.content.tick()
-        if self.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
+        if self.config.retention_seconds is not None and time.monotonic() - self._swept_at >= RETENTION_SWEEP_SECONDS:
             self._swept_at = time.monotonic()  # retention reaches the drafts on disk only too
             try:
-                self._purge_on_disk(None, time.time() - self.retention_seconds)
+                self._purge_on_disk(None, time.time() - self.config.retention_seconds)
             except Exception:
                 log.exception("the retention sweep of the drafts on disk failed; it runs again in %s s", RETENTION_SWEEP_SECONDS)
         for learner in self.learners:
@@ -357,7 +362,7 @@ class DraftPool:
                 "suffix_requests_held": sum(s["requests"] for s in suffix), "suffix_tokens_held": sum(s["tokens"] for s in suffix),
                 "write_failures": counts["write_failures"], "evicted": counts["evicted"], "expired": counts["expired"],
                 "purged": counts["purged"], "quarantined": counts["quarantined"], "versions_pruned": counts["versions_pruned"],
-                "retention_seconds": self.retention_seconds}
+                "retention_seconds": self.config.retention_seconds}
 
     def _start_next(self) -> bool:
         waiting = [learner for learner in self.learners if learner.due]
@@ -373,15 +378,15 @@ class DraftPool:
             draft.learner.stop(timeout=60)
         self.suffixes.close(name)
 
-    def alphas(self, drafts: dict[str, Draft], records: list) -> dict[str, float]:
+    def alphas(self, drafts: dict[str, ServedDraft], records: list) -> dict[str, float]:
         """Each draft's alpha on a recorded request's records (content routing's scorer thread)."""
-        distill = self.learner_config.distill
+        distill = self.config.learner.distill
         with torch.inference_mode():
             return {n: learnable(d.proposer.model).metrics(d.proposer.model, records, distill)["alpha"] for n, d in drafts.items()}
 
     # ---- operators ------------------------------------------------------------------------
 
-    def learned(self, name: str) -> Draft:
+    def learned(self, name: str) -> ServedDraft:
         """The learning draft called ``name``; a KeyError names the ones there are."""
         draft = self.drafts.get(name)
         if draft is None or draft.learner is None:

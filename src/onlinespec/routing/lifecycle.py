@@ -53,7 +53,7 @@ class Learner(Protocol):
 
 
 class PoolDraft(Protocol):
-    """A draft as content routing sees it (:class:`onlinespec.online.pool.Draft`)."""
+    """A draft as content routing sees it (:class:`onlinespec.online.pool.ServedDraft`)."""
 
     name: str
     learner: Learner | None  # None: it does not learn, so it is neither scored nor chosen

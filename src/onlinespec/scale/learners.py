@@ -31,8 +31,9 @@ import torch
 
 from onlinespec.factory import make_proposer
 from onlinespec.models import load_model
-from onlinespec.online.learner import LearnerConfig, load_version
+from onlinespec.online.learner import LearnerConfig
 from onlinespec.online.pool import DraftPool, learner_row, saved_drafts
+from onlinespec.online.publisher import load_version
 from onlinespec.online.recorder import records_from_generation
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.routing.domains import Router
@@ -78,9 +79,7 @@ class LearnerService:
         def new_draft():
             return make_proposer(config.draft, target, config.dtype).proposer, None
 
-        self.pool = DraftPool(new_draft, self.out_dir, Router("single"), config.learner, config.buffer_policy,
-                              config.buffer_records, on_event=self._event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity,
+        self.pool = DraftPool(new_draft, self.out_dir, Router("single"), config.pool_config(self.identity), on_event=self._event,
                               owns=lambda name: group_of(name, groups) == group)
         self._seen: dict[str, OrderedDict] = {}
         self._seen_lock = threading.Lock()

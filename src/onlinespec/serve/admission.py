@@ -10,7 +10,7 @@ import threading
 
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.online.pool import Draft
+from onlinespec.online.pool import ServedDraft
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, Overloaded, ServeError
@@ -89,7 +89,7 @@ class Domains:
         return domain
 
 
-def named_draft(name: str, drafts: dict[str, Draft], baselines: dict[str, Draft]) -> Draft:
+def named_draft(name: str, drafts: dict[str, ServedDraft], baselines: dict[str, ServedDraft]) -> ServedDraft:
     """The draft a request names instead of the router's choice: a baseline or a pool draft."""
     if name in baselines:
         return baselines[name]

@@ -3,13 +3,14 @@ options; a Ray deployment sends them to every replica and learner actor)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from onlinespec.decoding.engine import DEFAULT_K, DEFAULT_PREFILL_CHUNK
 from onlinespec.decoding.scheduler import DEFAULT_MAX_BATCH
 from onlinespec.factory import DEFAULT_DRAFT, DEFAULT_DTYPE
 from onlinespec.online.learner import LearnerConfig
+from onlinespec.online.pool import PoolConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.routing.domains import MAX_DRAFTS, ROUTERS
 
@@ -94,6 +95,13 @@ class CoreConfig:
     @property
     def learning(self) -> bool:
         return self.learn and self.draft != "none"
+
+    def pool_config(self, identity: dict, **settings) -> PoolConfig:
+        """The draft pool's settings (:class:`~onlinespec.online.pool.PoolConfig`) from these; ``settings``
+        override (what the serving core's pool keeps and a learner actor's differ)."""
+        return replace(PoolConfig(learner=self.learner, buffer_policy=self.buffer_policy, buffer_records=self.buffer_records,
+                                  buffer_bytes=self.max_buffer_bytes, retention_seconds=self.retention_seconds, identity=identity,
+                                  max_in_memory=self.max_drafts), **settings)
 
 
 def model_name(target: str) -> str:

@@ -11,8 +11,8 @@ Threads::
     callers (any thread)  submit / cancel / admin   -->  scheduler queue (checks: admission.py)
     engine loop (one)     admit, engine.step, push each request's new text to its handle; a published
                           draft is swapped in between two steps; learning's turns (learning.py)
-    recorder (one)        finished request -> its draft's durable replay buffer -> the handle
-                          completes: a client never sees an answer whose record is not on disk (recorder.py)
+    writer (one)          finished request -> its draft's durable replay buffer -> the handle
+                          completes: a client never sees an answer whose record is not on disk (writer.py)
     housekeeping (one)    retention; a CURRENT another process changed (operations.py)
     learners (pool)       background updates (arXiv 2310.07177, section 4.2), gate, registry
 
@@ -58,7 +58,7 @@ from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle
 from onlinespec.serve.learning import LearningShare
 from onlinespec.serve.metrics import ServeMetrics, batch_state
 from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
-from onlinespec.serve.recorder import Recorder
+from onlinespec.serve.writer import RecordWriter
 from onlinespec.storage import EventLog, OutDirLock, kill_point
 from onlinespec.tokens import Prompt, eos_token_ids, tokenizer_fingerprint
 
@@ -98,7 +98,7 @@ class ServingCore:
         self._lock = threading.Lock()
         self._wake = threading.Condition()
         self.share: LearningShare | None = None  # set once loaded, when learning takes the engine's turns
-        self.recorder: Recorder | None = None  # set once loaded
+        self.recorder: RecordWriter | None = None  # set once loaded
         self._handles: dict[int, Handle] = {}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
         self._routes: dict[str, Draft] = {}  # domain -> its draft, once routed
@@ -182,13 +182,11 @@ class ServingCore:
         if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
             self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
                                        adaptive, config.k)
-        self.pool = DraftPool(new_draft, self.out_dir, router, config.learner if learning and config.head_updates else None, config.buffer_policy,
-                              config.buffer_records, on_event=self.learner_event, buffer_bytes=config.max_buffer_bytes,
-                              retention_seconds=config.retention_seconds, identity=self.identity,
-                              suffix_tokens=config.suffix_tokens if learning else 0,
-                              content=config.content if content else None, max_in_memory=config.max_drafts,
-                              learners=self._learners, suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE,
-                              keeps_buffers=not self.replica, turns=self.share.turns if self.share is not None else None,
+        pool = config.pool_config(self.identity, learner=config.learner if learning and config.head_updates else None,
+                                  suffix_tokens=config.suffix_tokens if learning else 0, content=config.content if content else None,
+                                  suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE, keeps_buffers=not self.replica)
+        self.pool = DraftPool(new_draft, self.out_dir, router, pool, on_event=self.learner_event, learners=self._learners,
+                              turns=self.share.turns if self.share is not None else None,
                               born={FRESH: lambda: new_draft(config.fresh_draft)} if config.fresh_baseline else None)
         self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
         if content:  # the content router's floor is servable by name too
@@ -205,7 +203,7 @@ class ServingCore:
                     "context": self.context,
                     "cost_curve_ms": curve.milliseconds() if curve else None})
         self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
-        self.recorder = Recorder(self.pool, self.metrics, config, self.event, self._release, self.replica,
+        self.recorder = RecordWriter(self.pool, self.metrics, config, self.event, self._release, self.replica,
                                  on_served=self.share.served if self.share is not None else None)
         self.recorder.start()
         self._housekeeper = threading.Thread(target=housekeep, args=(self.pool, self.metrics, lambda: self._stopping),

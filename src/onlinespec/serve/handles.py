@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.decoding.request import RequestState, RequestStats
 from onlinespec.metrics import speculative_decoding
-from onlinespec.online.pool import Draft
+from onlinespec.online.pool import ServedDraft
 from onlinespec.routing.domains import RESERVED
 from onlinespec.routing.lifecycle import Route
 
@@ -167,7 +167,7 @@ class Events:
 class Handle(Events):
     """A request submitted to this process's core, with what its engine loop keeps of it."""
 
-    def __init__(self, cancel: Callable[[Handle], None], state: RequestState, draft: Draft, domain: str, train: bool,
+    def __init__(self, cancel: Callable[[Handle], None], state: RequestState, draft: ServedDraft, domain: str, train: bool,
                  request_id: str, deadline: float, notify: Callable[[], None] | None = None, prompt_text: str = "",
                  stream: bool = False) -> None:
         super().__init__(notify)

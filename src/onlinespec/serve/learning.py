@@ -15,7 +15,7 @@ from collections.abc import Callable
 from onlinespec.decoding.adaptive import AdaptiveK, could_pay
 from onlinespec.decoding.request import RequestStats
 from onlinespec.online.controller import LearnController
-from onlinespec.online.pool import Draft
+from onlinespec.online.pool import ServedDraft
 from onlinespec.online.turns import EngineTurns
 from onlinespec.serve.metrics import ServeMetrics
 
@@ -25,7 +25,7 @@ class LearningShare:
     ``event`` writes each of the controller's decisions to the event log; ``on_wanted`` wakes
     the engine loop when a learner wants a turn."""
 
-    def __init__(self, limit: float, metrics: ServeMetrics, drafts: Callable[[], dict[str, Draft]],
+    def __init__(self, limit: float, metrics: ServeMetrics, drafts: Callable[[], dict[str, ServedDraft]],
                  event: Callable[[dict], None], on_wanted: Callable[[], None], planner: AdaptiveK | None = None, k: int = 0) -> None:
         """``planner``: the drafts' cost curve, by which a step's batch size is judged payable
         (:func:`could_pay` with ``k`` proposals); None: every step is."""
@@ -53,7 +53,7 @@ class LearningShare:
         self.metrics.learn_headroom.set(self.turns.headroom())
         self.give(idle=False)
 
-    def served(self, draft: Draft, stats: RequestStats) -> None:
+    def served(self, draft: ServedDraft, stats: RequestStats) -> None:
         self._control(self.controller.served(draft.name, draft.version, stats.new_tokens, stats.target_calls))
 
     def learner_event(self, event: dict) -> None:

@@ -2,7 +2,7 @@
 
 Every line has ``ts`` (ISO-8601, UTC, milliseconds), ``level``, ``logger`` and ``msg``, then the
 fields its caller gave (``extra={"fields": {...}}``): the request log (``onlinespec.requests``,
-:mod:`onlinespec.serve.recorder`) its figures, the access log (``onlinespec.access``,
+:mod:`onlinespec.serve.writer`) its figures, the access log (``onlinespec.access``,
 :class:`AccessLog`) the method, path, status, duration and request id. Never a body, a header
 but the request id, or a key; prompt and output text only with ``--log-text``.
 """

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from onlinespec.cpu import name_thread
-from onlinespec.online.pool import Draft, DraftPool, learner_row
+from onlinespec.online.pool import DraftPool, ServedDraft, learner_row
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, ServeError
 from onlinespec.serve.metrics import ServeMetrics
@@ -67,7 +67,7 @@ def purge_cutoff(request_id: str | None, older_than_days: float | None) -> float
     return None if older_than_days is None else time.time() - older_than_days * 86400.0
 
 
-def draft_rows(pool: DraftPool, baselines: dict[str, Draft]) -> list[dict]:
+def draft_rows(pool: DraftPool, baselines: dict[str, ServedDraft]) -> list[dict]:
     """Every draft: what it serves, its versions (with their metadata), its learner's state."""
     rows = []
     for name, draft in [*pool.drafts.items(), *baselines.items()]:
