@@ -36,11 +36,12 @@ import torch
 from onlinespec.cpu import lower_priority, name_thread
 from onlinespec.routing.content import STATIC, Cluster, ContentConfig, ContentRouter
 from onlinespec.routing.domains import draft_name
-from onlinespec.storage import atomic_write
+from onlinespec.storage import atomic_write, set_aside
 
 log = logging.getLogger("onlinespec.pool")  # the name operators' log filters know it by
 
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
+QUARANTINE = "quarantine"  # beside it: unreadable routing states set aside (they may hold far prompts)
 SAVE_SECONDS = 10.0  # a changed state is saved at most this often (and on purge and shutdown)
 SCORE_BACKLOG = 32  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 2.5 MB of records).
 # Scored in order, so a full backlog is how late each score arrives: about the scores' memory (ContentConfig.score_memory)
@@ -103,20 +104,36 @@ class ContentRouting:
         self.retired: dict[str, str] = {}  # draft -> why (merged into another)
         self.lifecycle = dict.fromkeys(("spawned", "evicted", "reloaded", "retired"), 0)
         self.detections: dict[str, int] = {}
-        if self.path.exists():
-            state = json.loads(self.path.read_text())
-            self.router = ContentRouter.from_state(state["router"], config)
-            self.evicted, self.retired = set(state.get("evicted", [])), dict(state.get("retired", {}))
-            self.lifecycle.update(state.get("lifecycle", {}))
-            self.detections.update(state.get("detections", {}))
-        else:
-            self.router = ContentRouter(config)
+        self.router = self._read_state(config)
         self._dirty, self._saved_at = False, 0.0
         self._last_home: str | None = None
         self._scores: queue.Queue = queue.Queue(SCORE_BACKLOG)
         self.scores_dropped, self._dropped_reported, self._dropped_at = 0, 0, float("-inf")
         self._scorer = threading.Thread(target=self._score_loop, args=(priority,), name="onlinespec-scorer", daemon=True)
         self._scorer.start()
+
+    def _read_state(self, config: ContentConfig) -> ContentRouter:
+        """The router (and lifecycle) ``routing.json`` saved; a file that cannot be read (not JSON,
+        fields missing or wrong) is quarantined, as the replay buffers' are, with an event that says
+        where it went, and routing starts fresh (the drafts on disk stay and are reloaded on demand)."""
+        if not self.path.exists():
+            return ContentRouter(config)
+        try:
+            state = json.loads(self.path.read_text())
+            router = ContentRouter.from_state(state["router"], config)
+            evicted, retired = set(state.get("evicted", [])), dict(state.get("retired", {}))
+            lifecycle, detections = dict(state.get("lifecycle", {})), dict(state.get("detections", {}))
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:  # an I/O error of the moment is raised
+            moved = set_aside(self.path, self.path.parent / QUARANTINE)
+            why = f"{type(err).__name__}: {err}"[:300]
+            log.warning("content routing: %s could not be read (%s): moved to %s, starting with fresh routing", self.path, why, moved)
+            self.on_event({"event": "routing_quarantined", "moved": str(self.path), "to": str(moved), "error": why,
+                           "time": time.time()})
+            return ContentRouter(config)
+        self.evicted, self.retired = evicted, retired
+        self.lifecycle.update(lifecycle)
+        self.detections.update(detections)
+        return router
 
     def reopen(self, saved: list[str], check: Callable[[str], None]) -> None:
         """At start-up, of the drafts a previous run saved: those in memory when it stopped are
@@ -373,10 +390,16 @@ def purge_saved_routing(out_dir: str | Path, request_id: str | None = None, befo
     """Purge a stopped server's content-routing state (``routing.json``): the far prompts of
     request ``request_id`` (or recorded before ``before``) leave it; how many went."""
     path = Path(out_dir) / ROUTING_FILE
+    for stale in (Path(out_dir) / QUARANTINE).glob(f"{ROUTING_FILE}.*"):  # unreadable: none can be shown free of the request
+        stale.unlink(missing_ok=True)
     if not path.exists():
         return 0
-    state = json.loads(path.read_text())
-    router = ContentRouter.from_state(state["router"])
+    try:
+        state = json.loads(path.read_text())
+        router = ContentRouter.from_state(state["router"])
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):  # unreadable: nothing to keep of it
+        path.unlink()
+        return 0
     removed = router.purge(request_id, before)
     if removed:
         atomic_write(path, json.dumps({**state, "router": router.state()}))
