@@ -177,7 +177,7 @@ class MemoryBudget:
                         "bytes_before": before, "bytes_after": after, "budget": self.limit})
 
     def _emit(self, event: dict) -> None:
-        log.warning("memory budget: %s", event)
+        log.info("memory budget: %s", event)
         if self.on_event is not None:
             try:
                 self.on_event({**event, "time": time.time()})
