@@ -101,6 +101,7 @@ class ContentRouting:
         self.pool, self.static, self.lock, self.max_in_memory, self.on_event = pool, static, lock, max_in_memory, on_event
         self.path = Path(out_dir) / ROUTING_FILE
         self.evicted: set[str] = set()
+        self._said: dict | None = None  # an event of start-up, told once the pool is made (reopen)
         self.retired: dict[str, str] = {}  # draft -> why (merged into another)
         self.lifecycle = dict.fromkeys(("spawned", "evicted", "reloaded", "retired"), 0)
         self.detections: dict[str, int] = {}
@@ -127,8 +128,8 @@ class ContentRouting:
             moved = set_aside(self.path, self.path.parent / QUARANTINE)
             why = f"{type(err).__name__}: {err}"[:300]
             log.warning("content routing: %s could not be read (%s): moved to %s, starting with fresh routing", self.path, why, moved)
-            self.on_event({"event": "routing_quarantined", "moved": str(self.path), "to": str(moved), "error": why,
-                           "time": time.time()})
+            self._said = {"event": "routing_quarantined", "moved": str(self.path), "to": str(moved), "error": why,
+                          "time": time.time()}  # told at reopen: the pool that takes events is still being made
             return ContentRouter(config)
         self.evicted, self.retired = evicted, retired
         self.lifecycle.update(lifecycle)
@@ -139,6 +140,9 @@ class ContentRouting:
         """At start-up, of the drafts a previous run saved: those in memory when it stopped are
         loaded again (up to ``max_in_memory``); the others, retired ones aside, wait in their
         registries (``check(name)`` refuses another model's now, not when its cluster returns)."""
+        if self._said is not None:
+            self.on_event(self._said)
+            self._said = None
         with self.lock:
             state = json.loads(self.path.read_text()) if self.path.exists() else {}
             for name in saved:
