@@ -123,6 +123,7 @@ class SuffixIndex:
     def _clear(self) -> None:
         self._docs: OrderedDict[int, _Doc] = OrderedDict()  # keyed by start, oldest first
         self._chunks: list[np.ndarray] = []  # appended documents not yet folded into _corpus
+        self._chunk_bytes = 0  # their nbytes
         self._corpus = np.empty(0, dtype=np.int32)
         self._base = 0  # global position of _corpus[0]; positions below it are evicted
         self._end = 0  # global position one past the last token
@@ -143,8 +144,7 @@ class SuffixIndex:
 
     def memory_bytes(self) -> int:
         """Bytes held (module docstring, "Memory"): dead entries count until a compaction frees them."""
-        chunks = sum(c.nbytes for c in self._chunks)
-        return int(self._corpus.nbytes + chunks + sys.getsizeof(self._anchors) + sys.getsizeof(self._docs) + self._held)
+        return int(self._corpus.nbytes + self._chunk_bytes + sys.getsizeof(self._anchors) + sys.getsizeof(self._docs) + self._held)
 
     def shed(self, nbytes: int) -> dict | None:
         """The memory budget's eviction: documents of the least-recently-used tenant go, oldest
@@ -207,6 +207,7 @@ class SuffixIndex:
         start = self._end
         self._docs[start] = _Doc(start, int(doc.size), request_id, created_at, tenant)
         self._chunks.append(np.append(doc, np.int32(SEPARATOR)))
+        self._chunk_bytes += self._chunks[-1].nbytes
         self._end += doc.size + 1
         self._live += int(doc.size)
         self._recent[tenant] = None
@@ -251,7 +252,7 @@ class SuffixIndex:
         """The corpus from ``_base`` on, pending chunks folded in."""
         if self._chunks:
             self._corpus = np.concatenate([self._corpus, *self._chunks])
-            self._chunks = []
+            self._chunks, self._chunk_bytes = [], 0
         cut = self._base - (self._end - len(self._corpus))
         if cut > 0:
             self._corpus = self._corpus[cut:]
