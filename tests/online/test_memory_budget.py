@@ -111,3 +111,14 @@ def test_suffix_indexes_of_many_tenants_stay_under_their_share(tmp_path):
     assert index.match(texts["tenant-560"][:10], 4, tenant="tenant-560") is None
     files.close("d")
     assert budget.used()["suffix_index"] == 0  # a draft that leaves memory leaves the budget
+
+
+def test_memory_budget_sizes_parse_and_a_bad_one_is_a_usage_error_that_says_how_to_write_it():
+    from typer.testing import CliRunner
+
+    from onlinespec.cli import app
+
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512MiB") == 512 * 2**20 and parse_size("300") == 300 * 2**20
+    assert parse_size("1.5G") == int(1.5 * 2**30) and parse_size("100MB") == 10**8
+    result = CliRunner().invoke(app, ["serve", "--memory-budget", "lots"])
+    assert result.exit_code == 2 and "512MiB" in result.output

@@ -359,6 +359,7 @@ class ContentRouting:
             if self.router.purge(request_id, before):
                 self._dirty = True
         self.save(force=True)
+        delete_set_aside_routing(self.path.parent)
 
     def save(self, force: bool = False) -> None:
         """Save the state (atomically; at most every SAVE_SECONDS unless ``force``)."""
@@ -390,12 +391,18 @@ class ContentRouting:
                     "requests": self.router.requests, "scores_dropped": self.scores_dropped}
 
 
+def delete_set_aside_routing(out_dir: str | Path) -> None:
+    """Delete the unreadable routing states set aside in ``out_dir/quarantine``: none can be shown
+    free of a purged request's far prompts."""
+    for stale in (Path(out_dir) / QUARANTINE).glob(f"{ROUTING_FILE}.*"):
+        stale.unlink(missing_ok=True)
+
+
 def purge_saved_routing(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> int:
     """Purge a stopped server's content-routing state (``routing.json``): the far prompts of
     request ``request_id`` (or recorded before ``before``) leave it; how many went."""
     path = Path(out_dir) / ROUTING_FILE
-    for stale in (Path(out_dir) / QUARANTINE).glob(f"{ROUTING_FILE}.*"):  # unreadable: none can be shown free of the request
-        stale.unlink(missing_ok=True)
+    delete_set_aside_routing(out_dir)
     if not path.exists():
         return 0
     try:
