@@ -49,6 +49,23 @@ def rss_bytes(pid: int) -> int:
     return process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))
 
 
+def budget_sample(metrics: str) -> dict:
+    """The memory budget's gauges in a /metrics text (issue 46): the budget, the bytes held by kind
+    and the evictions by kind (empty before the server had them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"memory_used": {}, "memory_evictions": {}}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "onlinespec:memory_budget_bytes":
+                found["memory_budget"] = sample.value
+            elif sample.name == "onlinespec:memory_used_bytes":
+                found["memory_used"][sample.labels["kind"]] = sample.value
+            elif sample.name == "onlinespec:memory_evictions_total":
+                found["memory_evictions"][sample.labels["kind"]] = sample.value
+    return found
+
+
 def hostile(http, url: str, model: str, case) -> str | None:
     """Send one hostile case; None if the server answered as expected, else what went wrong."""
     from tests.serve.test_hostile_clients import dropped_stream, slow_body
@@ -126,7 +143,8 @@ class Traffic:
         metrics = httpx.get(self.url + "/metrics", timeout=30).text
         with self.lock:
             return {"t_s": round(time.monotonic() - started, 1), "rss_bytes": rss_bytes(self.url.process.pid),
-                    "metrics_lines": len(metrics.splitlines()), "metrics_bytes": len(metrics), **self.counts}
+                    "metrics_lines": len(metrics.splitlines()), "metrics_bytes": len(metrics), **self.counts,
+                    **budget_sample(metrics)}
 
 
 def reference_answers(client, model: str, queries, max_tokens: int) -> dict:
@@ -195,6 +213,11 @@ def memory(samples: list[dict]) -> dict:
             "memory_end_bytes": last["rss_bytes"], "memory_growth_after_warm": last["rss_bytes"] / warm["rss_bytes"] - 1,
             "memory_growth_median_windows": statistics.median(late) / statistics.median(early or late) - 1, "memory_window_s": WINDOW_S,
             "memory_peak_bytes": max(s["rss_bytes"] for s in samples),
+            # issue 46: every sample from warm-up on within 10% of the warm one; the budget's count under it throughout
+            "memory_max_deviation_after_warm": max(abs(s["rss_bytes"] / warm["rss_bytes"] - 1) for s in samples if s["t_s"] >= warm["t_s"]),
+            "memory_accounted_peak_bytes": max((sum(s.get("memory_used", {}).values()) for s in samples), default=0),
+            "memory_budget_bytes": last.get("memory_budget"), "memory_evictions": last.get("memory_evictions", {}),
+            "memory_accounted_under_budget": all(sum(s.get("memory_used", {}).values()) <= s.get("memory_budget", float("inf")) for s in samples),
             "metrics_lines_warm": warm["metrics_lines"], "metrics_lines_end": last["metrics_lines"]}
 
 

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "onlinespec"
 
 # Bottom to top. A unit is a subpackage or a top-level module of onlinespec.
 FLOORS = [
-    {"cpu", "safety", "tokens", "weights", "metrics", "costmodel", "storage", "backends"},  # plumbing
+    {"cpu", "safety", "tokens", "weights", "metrics", "costmodel", "storage", "backends", "memory"},  # plumbing
     {"decoding"},  # the lossless engine, its runners and drafters
     {"models", "formats"},  # loading targets and drafts onto a runner; the target's weight format
     {"data"},  # query sources and streams

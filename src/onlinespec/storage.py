@@ -61,6 +61,20 @@ def commit(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     fsync_dir(Path(path).parent)
 
 
+def set_aside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
+    """Quarantine: move an unreadable file into ``folder`` (made if need be) as
+    ``<name>.<microseconds since the epoch>``, its bytes intact, never overwriting an earlier one;
+    where it went. The replay buffer, the suffix indexes and content routing's state share it."""
+    path, folder = Path(path), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = int(time.time() * 1e6)
+    while (folder / f"{path.name}.{stamp}").exists():
+        stamp += 1
+    target = folder / f"{path.name}.{stamp}"
+    os.replace(path, target)  # the same file system: a rename (the folder sits beside the file)
+    return target
+
+
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Replace ``path`` with ``data``, durably and atomically (a temp name of its own, so two
     writers never share one)."""

@@ -21,6 +21,7 @@ from onlinespec.cli.common import BackendOpt, DeviceOpt, DraftOpt, KOpt, NglOpt,
 from onlinespec.cli.records import routing_table
 from onlinespec.distill.step import DistillConfig
 from onlinespec.factory import DEFAULT_DRAFT
+from onlinespec.memory import parse_size
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.safety import command_line, private_files
@@ -28,7 +29,18 @@ from onlinespec.serve.config import CoreConfig, model_name
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
 
+
 # The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
+def _memory_size(value: str | None) -> int | None:
+    """--memory-budget in bytes (None: the default), or a usage error that says how to write it."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+
+
 CORE_OPTIONS: dict[str, tuple] = {
     "target": (Annotated[str, typer.Option("--target", "--model", help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file (--model: vLLM's name)")], CoreConfig.target),
     "draft": (DraftOpt, CoreConfig.draft),
@@ -89,6 +101,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
     "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
+    "memory_budget": (Annotated[Optional[str], typer.Option(callback=_memory_size, help="memory the replay buffers, suffix indexes and drafts may hold together, e.g. 2GiB or 512MiB (a bare number is MiB; default: a quarter of the RAM, 256 MiB to 8 GiB); past it the oldest records and the least-recently-used tenants' suffix documents are evicted (docs/serve.md)")], None),
     "keep_versions": (Annotated[int, typer.Option(min=0, help="keep this many newest draft versions, plus the current one and its parent (0: keep all)")], LearnerConfig.keep_versions),
     "max_failures": (Annotated[int, typer.Option(min=1, help="updates failing in a row before a learner stops trying (serving goes on)")], LearnerConfig.max_failures),
 }
@@ -104,7 +117,7 @@ def _core_config(o: dict) -> CoreConfig:
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
-                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens")}
+                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
     return CoreConfig(**plain, learner=learner, content=content, learn_share=o["learn_share"] or None)

@@ -21,15 +21,23 @@ Eviction policies (the paper leaves eviction open):
 Governance: ``retention_seconds`` drops records older than that (on start, on every add and on
 :meth:`expire`); :meth:`purge` deletes a request's records (or those older than a time) on
 demand; ``counts`` says how many were stored, evicted, expired, purged and quarantined.
+
+Memory: the records are held in RAM too (every update trains on the whole buffer), measured by
+:func:`onlinespec.memory.object_bytes` (tensors' ``element_size * numel``, lists with their int
+objects). Besides its own ``max_bytes``, the buffer counts against the process's memory budget
+(:mod:`onlinespec.memory`): past it, the largest buffer gives its oldest records up
+(:meth:`shed`), from disk too, each eviction reported (``memory_evicted`` events). Every method
+may be called from any thread (one lock).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
 import re
-import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,13 +47,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from onlinespec import memory
 from onlinespec.distill.records import DistillRecord
 from onlinespec.online.recorder import STUDENT_MARK
-from onlinespec.storage import atomic_write, commit, kill_point
+from onlinespec.storage import atomic_write, commit, kill_point, set_aside
 
 log = logging.getLogger("onlinespec.buffer")
 
 POLICIES = ("clear", "window", "reservoir", "priority")
+
+
+def _locked(method):
+    """Run ``method`` under the buffer's lock (the memory budget may shed from any thread)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 @dataclass
@@ -67,7 +85,10 @@ class ReplayBuffer:
         retention_seconds: float | None = None,
         identity: str = "",
         clock: Callable[[], float] | None = None,
+        budget: memory.MemoryBudget | None | str = "process",
     ) -> None:
+        """``budget``: the memory budget it counts against ("process": the process's,
+        :func:`onlinespec.memory.budget`; None: none, for a buffer opened only to purge it)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown buffer policy {policy!r}: use one of {POLICIES}")
         if max_records < 1 or max_bytes < 1:
@@ -84,8 +105,15 @@ class ReplayBuffer:
         self._offered = 0  # records ever offered (reservoir sampling needs it)
         self._next_seq = 0
         self.counts = dict.fromkeys(("stored", "evicted", "expired", "purged", "quarantined"), 0)
+        self.memory_kind, self.memory_name = "replay_buffer", self.directory.name
+        self._lock = threading.RLock()
+        self._bytes = 0  # the records' bytes in RAM (object_bytes), kept as they come and go
         self._load()
         self.expire()
+        self.budget = memory.budget() if budget == "process" else budget
+        if self.budget is not None:
+            self.budget.register(self)
+            self.budget.check()
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -94,14 +122,41 @@ class ReplayBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries)
+        return self._bytes
 
+    def memory_bytes(self) -> int:
+        return self._bytes
+
+    @_locked
     def records(self) -> list[DistillRecord]:
         return [e.record for e in self._entries]
 
     def add(self, record: DistillRecord) -> bool:
         """Offer a record; True once it is stored durably, False if the policy turned it away.
-        An ``OSError`` (a full disk) stores nothing and leaves the buffer as it was."""
+        An ``OSError`` (a full disk) stores nothing and leaves the buffer as it was. The memory
+        budget is enforced after (a stored record may then be evicted, and reported)."""
+        stored = self._add(record)
+        if self.budget is not None:
+            self.budget.check()
+        return stored
+
+    @_locked
+    def shed(self, nbytes: int) -> dict | None:
+        """The memory budget's eviction: the oldest records go (from disk too) until ``nbytes``
+        are freed or none is left; what went, or None."""
+        before, gone = self._bytes, []
+        while self._entries and before - self._bytes < nbytes:
+            victim = min(self._entries, key=lambda e: e.seq)
+            self._remove(victim, "evicted")
+            gone.append(victim.record)
+        if not gone:
+            return None
+        self._save_state()
+        return {"items": len(gone), "records": len(gone), "oldest_created_at": min(r.created_at for r in gone),
+                "newest_created_at": max(r.created_at for r in gone), "held": len(self._entries)}
+
+    @_locked
+    def _add(self, record: DistillRecord) -> bool:
         self.expire()
         if self.policy == "reservoir" and len(self._entries) >= self.max_records:
             slot = self._rng.randrange(self._offered + 1)
@@ -118,6 +173,7 @@ class ReplayBuffer:
         self._next_seq += 1
         self.counts["stored"] += 1
         self._entries.append(entry)  # durable from here on: nothing below may say otherwise
+        self._bytes += entry.nbytes
         if victim is not None:
             self._remove(victim, "evicted")
         self._enforce_bounds(keep=entry)
@@ -127,6 +183,7 @@ class ReplayBuffer:
             log.warning("buffer %s: state.json not updated (%s); the record is stored", self.directory, err)
         return entry in self._entries
 
+    @_locked
     def set_priorities(self, scored: list[tuple[DistillRecord, float]]) -> None:
         """The serving draft's loss on records (policy "priority"); records no longer held are
         skipped, records not scored keep their priority (a new one: infinite, i.e. hard)."""
@@ -135,6 +192,7 @@ class ReplayBuffer:
             if id(entry.record) in by_id:
                 entry.priority = float(by_id[id(entry.record)])
 
+    @_locked
     def sample(self, n: int) -> list[DistillRecord]:
         """n records drawn without replacement (by priority for "priority", else uniformly)."""
         n = min(n, len(self._entries))
@@ -143,6 +201,7 @@ class ReplayBuffer:
         ranked = sorted(self._entries, key=lambda e: e.priority, reverse=True)
         return [e.record for e in ranked[:n]]
 
+    @_locked
     def after_update(self, used: list[DistillRecord] | None = None) -> None:
         """Called after each draft update: the "clear" policy drops the records the update used
         (``used``; all when None). Records that arrived while it ran stay for the next one."""
@@ -152,6 +211,7 @@ class ReplayBuffer:
                 if chosen is None or id(entry.record) in chosen:
                     self._remove(entry, "evicted")
 
+    @_locked
     def expire(self) -> int:
         """Drop the records older than the retention period (none without one); how many."""
         if self.retention_seconds is None:
@@ -168,6 +228,7 @@ class ReplayBuffer:
             if path.name != "README.txt" and (before is None or path.stat().st_mtime < before):
                 path.unlink(missing_ok=True)
 
+    @_locked
     def purge(self, request_id: str | None = None, before: float | None = None) -> int:
         """Delete the records of request ``request_id`` (its student branches included), or
         those recorded before time ``before``; how many were deleted."""
@@ -193,7 +254,7 @@ class ReplayBuffer:
         return len(victims)
 
     def _enforce_bounds(self, keep: _Entry) -> None:
-        while len(self._entries) > self.max_records or (self.nbytes > self.max_bytes and len(self._entries) > 1):
+        while len(self._entries) > self.max_records or (self._bytes > self.max_bytes and len(self._entries) > 1):
             self._remove(self._victim(keep), "evicted")
 
     def _victim(self, keep: _Entry) -> _Entry:
@@ -207,6 +268,7 @@ class ReplayBuffer:
 
     def _remove(self, entry: _Entry, why: str) -> None:
         self._entries.remove(entry)
+        self._bytes -= entry.nbytes
         self._path(entry.seq).unlink(missing_ok=True)
         self.counts[why] += 1
 
@@ -219,8 +281,7 @@ class ReplayBuffer:
 
     def _quarantine(self, path: Path, why: str) -> None:
         folder = self.directory / "quarantine"
-        folder.mkdir(exist_ok=True)
-        shutil.move(str(path), folder / f"{path.name}.{int(time.time() * 1e6)}")
+        set_aside(path, folder)
         (folder / "README.txt").write_text("Files found in the buffer that were not readable records; never trained on.\n")
         self.counts["quarantined"] += 1
         log.warning("buffer %s: moved %s to quarantine/ (%s)", self.directory, path.name, why)
@@ -250,15 +311,19 @@ class ReplayBuffer:
                 raise ValueError(f"the replay buffer {self.directory} holds records of another tokenizer ({identity}, this "
                                  f"model's is {self.identity}): give this model another --out-dir")
             self._entries.append(_Entry(int(path.name[:12]), record, _nbytes(record)))
+            self._bytes += self._entries[-1].nbytes
         seqs = [e.seq + 1 for e in self._entries]
         self._next_seq = max([int(state.get("next_seq", 0)), *seqs])
         self._offered = max(int(state.get("offered", 0)), len(self._entries))
 
 
 _RECORD_NAME = re.compile(r"\d{12}\.safetensors")
+
+
 def _nbytes(record: DistillRecord) -> int:
-    size = 8 * (len(record.token_ids) + len(record.positions)) + record.top_ids.nbytes + record.top_logprobs.nbytes
-    return size + (record.features.nbytes + len(record.positions) if record.features is not None else 0)
+    """The record's bytes in RAM: its tensors and its lists (with their int objects)."""
+    parts = (record.token_ids, record.positions, record.top_ids, record.top_logprobs, record.features, record.rejected)
+    return sum(memory.object_bytes(part) for part in parts)
 
 
 def _atomic_save(record: DistillRecord, path: Path, identity: str = "") -> None:

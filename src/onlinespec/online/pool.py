@@ -35,12 +35,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from onlinespec import memory
 from onlinespec.decoding.adaptive import AdaptiveK
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex
@@ -73,6 +75,7 @@ class ServedDraft:
     suffix: SuffixIndex | None = None  # learns from every request it serves (None: no index, or not learning)
     in_flight: int = 0  # content routing: requests it serves or records now (a draft in use is never evicted)
     last_used: int = 0  # content routing: the router's request count when it last served or recorded
+    memory: object = None  # its bytes, as the memory budget sees them (onlinespec.memory.DraftMemory)
 
     @property
     def version(self) -> str | None:
@@ -80,6 +83,24 @@ class ServedDraft:
 
 
 Draft = ServedDraft  # the name before issue 50
+
+
+def track_draft_memory(draft: ServedDraft) -> memory.DraftMemory:
+    """Count ``draft`` (its served model, its learner's candidate and optimizer state) against the
+    process's memory budget while it is in memory (the budget holds it weakly: it leaves with the draft)."""
+    ref = weakref.ref(draft)  # no cycle: the draft leaves memory when the pool lets it go
+
+    def objects() -> list:
+        d = ref()
+        if d is None:
+            return []
+        learner = d.learner
+        if learner is None:
+            return [getattr(d.proposer, "model", None)]
+        return [getattr(d.proposer, "model", None), learner.publisher.latest[0], learner.updater.trainer.optimizer_state]
+    holder = memory.DraftMemory(draft.name, objects)
+    memory.budget().register(holder)
+    return holder
 
 
 def learner_row(learner: OnlineLearner) -> dict:
@@ -111,7 +132,7 @@ def purge_saved_buffers(out_dir: str | Path, request_id: str | None = None, befo
     how many records went, by draft."""
     root = Path(out_dir) / "buffer"
     folders = sorted(p for p in root.glob("*") if p.is_dir()) if drafts is None else [root / n for n in drafts if (root / n).is_dir()]
-    return {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62).purge(request_id, before) for p in folders}
+    return {p.name: ReplayBuffer(p, max_records=10**9, max_bytes=2**62, budget=None).purge(request_id, before) for p in folders}
 
 
 def purge_saved(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> dict:
@@ -228,6 +249,7 @@ class DraftPool:
             self.on_event({"event": "draft", "draft": name, "draft_version": proposer.version, "buffer_records": data["held"],
                            "quarantined": data["quarantined"]})
         draft = ServedDraft(name, proposer, adaptive, learner)
+        draft.memory = track_draft_memory(draft)  # issue 46: counted against the memory budget while in memory
         if index is not None and self.config.suffix_tokens > 0:
             self.suffixes.open(name, index)
             draft.suffix = index

@@ -36,11 +36,12 @@ import torch
 from onlinespec.cpu import lower_priority, name_thread
 from onlinespec.routing.content import STATIC, Cluster, ContentConfig, ContentRouter
 from onlinespec.routing.domains import draft_name
-from onlinespec.storage import atomic_write
+from onlinespec.storage import atomic_write, set_aside
 
 log = logging.getLogger("onlinespec.pool")  # the name operators' log filters know it by
 
 ROUTING_FILE = "routing.json"  # content routing's clusters, scores and the drafts' lifecycle
+QUARANTINE = "quarantine"  # beside it: unreadable routing states set aside (they may hold far prompts)
 SAVE_SECONDS = 10.0  # a changed state is saved at most this often (and on purge and shutdown)
 SCORE_BACKLOG = 32  # requests waiting for the content scorer; beyond it the oldest goes unscored (about 2.5 MB of records).
 # Scored in order, so a full backlog is how late each score arrives: about the scores' memory (ContentConfig.score_memory)
@@ -100,17 +101,11 @@ class ContentRouting:
         self.pool, self.static, self.lock, self.max_in_memory, self.on_event = pool, static, lock, max_in_memory, on_event
         self.path = Path(out_dir) / ROUTING_FILE
         self.evicted: set[str] = set()
+        self._said: dict | None = None  # an event of start-up, told once the pool is made (reopen)
         self.retired: dict[str, str] = {}  # draft -> why (merged into another)
         self.lifecycle = dict.fromkeys(("spawned", "evicted", "reloaded", "retired"), 0)
         self.detections: dict[str, int] = {}
-        if self.path.exists():
-            state = json.loads(self.path.read_text())
-            self.router = ContentRouter.from_state(state["router"], config)
-            self.evicted, self.retired = set(state.get("evicted", [])), dict(state.get("retired", {}))
-            self.lifecycle.update(state.get("lifecycle", {}))
-            self.detections.update(state.get("detections", {}))
-        else:
-            self.router = ContentRouter(config)
+        self.router = self._read_state(config)
         self._dirty, self._saved_at = False, 0.0
         self._last_home: str | None = None
         self._scores: queue.Queue = queue.Queue(SCORE_BACKLOG)
@@ -118,10 +113,36 @@ class ContentRouting:
         self._scorer = threading.Thread(target=self._score_loop, args=(priority,), name="onlinespec-scorer", daemon=True)
         self._scorer.start()
 
+    def _read_state(self, config: ContentConfig) -> ContentRouter:
+        """The router (and lifecycle) ``routing.json`` saved; a file that cannot be read (not JSON,
+        fields missing or wrong) is quarantined, as the replay buffers' are, with an event that says
+        where it went, and routing starts fresh (the drafts on disk stay and are reloaded on demand)."""
+        if not self.path.exists():
+            return ContentRouter(config)
+        try:
+            state = json.loads(self.path.read_text())
+            router = ContentRouter.from_state(state["router"], config)
+            evicted, retired = set(state.get("evicted", [])), dict(state.get("retired", {}))
+            lifecycle, detections = dict(state.get("lifecycle", {})), dict(state.get("detections", {}))
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:  # an I/O error of the moment is raised
+            moved = set_aside(self.path, self.path.parent / QUARANTINE)
+            why = f"{type(err).__name__}: {err}"[:300]
+            log.warning("content routing: %s could not be read (%s): moved to %s, starting with fresh routing", self.path, why, moved)
+            self._said = {"event": "routing_quarantined", "moved": str(self.path), "to": str(moved), "error": why,
+                          "time": time.time()}  # told at reopen: the pool that takes events is still being made
+            return ContentRouter(config)
+        self.evicted, self.retired = evicted, retired
+        self.lifecycle.update(lifecycle)
+        self.detections.update(detections)
+        return router
+
     def reopen(self, saved: list[str], check: Callable[[str], None]) -> None:
         """At start-up, of the drafts a previous run saved: those in memory when it stopped are
         loaded again (up to ``max_in_memory``); the others, retired ones aside, wait in their
         registries (``check(name)`` refuses another model's now, not when its cluster returns)."""
+        if self._said is not None:
+            self.on_event(self._said)
+            self._said = None
         with self.lock:
             state = json.loads(self.path.read_text()) if self.path.exists() else {}
             for name in saved:
@@ -338,6 +359,7 @@ class ContentRouting:
             if self.router.purge(request_id, before):
                 self._dirty = True
         self.save(force=True)
+        delete_set_aside_routing(self.path.parent)
 
     def save(self, force: bool = False) -> None:
         """Save the state (atomically; at most every SAVE_SECONDS unless ``force``)."""
@@ -369,14 +391,26 @@ class ContentRouting:
                     "requests": self.router.requests, "scores_dropped": self.scores_dropped}
 
 
+def delete_set_aside_routing(out_dir: str | Path) -> None:
+    """Delete the unreadable routing states set aside in ``out_dir/quarantine``: none can be shown
+    free of a purged request's far prompts."""
+    for stale in (Path(out_dir) / QUARANTINE).glob(f"{ROUTING_FILE}.*"):
+        stale.unlink(missing_ok=True)
+
+
 def purge_saved_routing(out_dir: str | Path, request_id: str | None = None, before: float | None = None) -> int:
     """Purge a stopped server's content-routing state (``routing.json``): the far prompts of
     request ``request_id`` (or recorded before ``before``) leave it; how many went."""
     path = Path(out_dir) / ROUTING_FILE
+    delete_set_aside_routing(out_dir)
     if not path.exists():
         return 0
-    state = json.loads(path.read_text())
-    router = ContentRouter.from_state(state["router"])
+    try:
+        state = json.loads(path.read_text())
+        router = ContentRouter.from_state(state["router"])
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):  # unreadable: nothing to keep of it
+        path.unlink()
+        return 0
     removed = router.purge(request_id, before)
     if removed:
         atomic_write(path, json.dumps({**state, "router": router.state()}))

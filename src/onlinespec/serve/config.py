@@ -51,6 +51,8 @@ class CoreConfig:
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
     suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
+    memory_budget: int | None = None  # bytes the replay buffers, suffix indexes and drafts may hold together
+    # (onlinespec.memory; None: a quarter of the machine's RAM, 256 MiB to 8 GiB)
     served_model_name: str | None = None  # the name clients send and the vllm: metrics' model_name (None: model_name(target))
     max_model_len: int | None = None  # cap the context (prompt + output) at this many tokens (None: the model's own)
     chat_template: str | None = None  # the Jinja chat template to render messages with (None: the tokenizer's own)
@@ -68,6 +70,8 @@ class CoreConfig:
             raise ValueError(f"retention_days must be > 0 (or unset: keep records), got {self.retention_days}")
         if self.max_buffer_bytes < 1:
             raise ValueError(f"max_buffer_bytes must be >= 1, got {self.max_buffer_bytes}")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive number of bytes (or unset: the default), got {self.memory_budget}")
         if self.suffix_tokens < 0:
             raise ValueError(f"suffix_tokens must be >= 0 (0: the suffix index learns nothing), got {self.suffix_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:

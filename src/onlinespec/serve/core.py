@@ -40,6 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+from onlinespec import memory
 from onlinespec.cpu import ENGINE_THREAD, name_thread
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
@@ -182,6 +183,7 @@ class ServingCore:
         if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
             self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
                                        adaptive, config.k)
+        memory.configure(config.memory_budget or memory.default_limit(), on_event=self.event)  # issue 46: onlinespec.memory
         pool = config.pool_config(self.identity, learner=config.learner if learning and config.head_updates else None,
                                   suffix_tokens=config.suffix_tokens if learning else 0, content=config.content if content else None,
                                   suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE, keeps_buffers=not self.replica)

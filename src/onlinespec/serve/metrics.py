@@ -15,7 +15,10 @@ are fed by the same calls (:meth:`ServeMetrics.request`, :meth:`~ServeMetrics.ba
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
+from onlinespec import memory
 from onlinespec.serve.vllm_metrics import VllmMetrics
 
 PREFIX = "onlinespec:"
@@ -23,6 +26,27 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 SPEC = ("draft", "version", "domain")
 KEEP_VERSIONS = 2  # per draft, the versions whose spec-decode series /metrics keeps (the serving one and the one before)
+
+
+class MemoryCollector(Collector):
+    """The process's memory budget (:mod:`onlinespec.memory`) at each scrape: the budget, the bytes
+    used and the evictions, by holder kind (fixed labels: ``replay_buffer``, ``suffix_index``,
+    ``draft``; never a client's name)."""
+
+    def collect(self):
+        budget = memory.budget()
+        yield GaugeMetricFamily(PREFIX + "memory_budget_bytes", "Bytes the replay buffers, suffix indexes and drafts may "
+                                "hold together (--memory-budget)", value=budget.limit)
+        used = GaugeMetricFamily(PREFIX + "memory_used_bytes", "Bytes held, by kind of holder", labels=["kind"])
+        evictions = CounterMetricFamily(PREFIX + "memory_evictions", "Records (replay_buffer) or documents (suffix_index) "
+                                        "the memory budget evicted, by kind of holder", labels=["kind"])
+        evicted = CounterMetricFamily(PREFIX + "memory_evicted_bytes", "Bytes the memory budget's evictions freed, by kind",
+                                      labels=["kind"])
+        for kind, value in budget.used().items():
+            used.add_metric([kind], value)
+            evictions.add_metric([kind], budget.evictions[kind])
+            evicted.add_metric([kind], budget.evicted_bytes[kind])
+        yield from (used, evictions, evicted)
 
 
 class ServeMetrics:
@@ -88,6 +112,7 @@ class ServeMetrics:
         self._drafted: dict[str, list[float]] = {}  # drafter -> [seconds, tokens]
         self._step = 0.0  # target_step_seconds' value
         self.vllm = VllmMetrics(r, model_name)
+        r.register(MemoryCollector())  # issue 46: the memory budget, read at each scrape
         self._versions: dict[str, str] = {}
         self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
 

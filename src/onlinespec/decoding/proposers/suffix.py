@@ -39,11 +39,20 @@ figures and its speed, would tell a client which of its tokens other clients had
 membership oracle (docs/reliability.md, "Tenants"). Every document of tenant ``""`` is shared by
 all who look up ``""``.
 Thread-safe: one lock around every read and write (a lookup takes under 0.1 ms).
+
+Memory: ``max_tokens`` bounds one index; the process's memory budget (:mod:`onlinespec.memory`)
+bounds all of them together, whatever the number of tenants. :meth:`memory_bytes` is the corpus'
+``nbytes``, the anchor dict's ``sys.getsizeof`` and, counted as they are made, each anchor's key
+(its tuple and int objects) and array (``sys.getsizeof`` once made, 8 bytes a position after),
+and each document's record (tests/test_memory_budget.py checks it against tracemalloc). Over its
+share, an index sheds (:meth:`shed`) the documents of its least-recently-used tenant (the one
+whose last lookup or request is oldest), oldest first, then the next tenant's.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from array import array
@@ -63,17 +72,25 @@ SEPARATOR = -1  # between documents in the corpus: never a token, so no match cr
 FORMAT = "onlinespec-suffix-index/1"
 
 
+_KEY_BYTES = sys.getsizeof(("", 0, 0)) + 2 * sys.getsizeof(2**20)  # an anchor's key: its tuple and two int objects
+_ARRAY_BYTES = sys.getsizeof(array("q", [0]))  # a new anchor's array, its first position included
+
+
 class IdentityMismatch(ValueError):
     """A saved index was made with another tokenizer: its token ids mean other words here."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Doc:
     start: int  # global position of its first token in the corpus
     length: int
     request_id: str
     created_at: float
     tenant: str = ""
+
+
+# a document's record: the _Doc, its two int objects and its float (its request id is counted apart)
+_DOC_BYTES = sys.getsizeof(_Doc(0, 0, "", 0.0)) + 2 * sys.getsizeof(2**20) + sys.getsizeof(0.5)
 
 
 @dataclass(frozen=True)
@@ -99,16 +116,21 @@ class SuffixIndex:
         self._generation = 0  # bumped by every change; a save clears `dirty` only if none came since its snapshot
         self.dirty = False  # changed since the last save
         self.counts = {"added": 0, "evicted": 0, "expired": 0, "purged": 0}
+        self.memory_kind, self.memory_name = "suffix_index", ""
+        self.budget = None  # the memory budget it counts against (set by whoever keeps it: SuffixFiles)
+        self._recent: OrderedDict[str, None] = OrderedDict()  # tenants, least recently used first
 
     def _clear(self) -> None:
         self._docs: OrderedDict[int, _Doc] = OrderedDict()  # keyed by start, oldest first
         self._chunks: list[np.ndarray] = []  # appended documents not yet folded into _corpus
+        self._chunk_bytes = 0  # their nbytes
         self._corpus = np.empty(0, dtype=np.int32)
         self._base = 0  # global position of _corpus[0]; positions below it are evicted
         self._end = 0  # global position one past the last token
         self._anchors: dict[tuple[int, int], array] = {}  # int64 positions, ascending
         self._dead = 0  # anchor entries below _base, not yet compacted
         self._live = 0  # tokens of the documents kept
+        self._held = 0  # bytes of the anchors' keys and arrays and of the documents' records, as made
 
     # ---- size ----------------------------------------------------------------------------
 
@@ -119,6 +141,39 @@ class SuffixIndex:
     @property
     def tokens(self) -> int:
         return self._live
+
+    def memory_bytes(self) -> int:
+        """Bytes held (module docstring, "Memory"): dead entries count until a compaction frees them."""
+        return int(self._corpus.nbytes + self._chunk_bytes + sys.getsizeof(self._anchors) + sys.getsizeof(self._docs) + self._held)
+
+    def shed(self, nbytes: int) -> dict | None:
+        """The memory budget's eviction: documents of the least-recently-used tenant go, oldest
+        first, then the next tenant's, until about ``nbytes`` are freed (one rebuild); what went."""
+        with self._lock:
+            held = self.memory_bytes()
+            per_token, target = held / max(1, self._live), held - nbytes
+            gone, tenants = [], set()
+            for tenant in list(self._recent):
+                for start in [s for s, d in self._docs.items() if d.tenant == tenant]:
+                    if held <= target:
+                        break
+                    held -= per_token * self._docs[start].length
+                    gone.append(start)
+                    tenants.add(tenant)
+                if held <= target:
+                    break
+            if not gone:
+                return None
+            for start in gone:
+                del self._docs[start]
+            self.counts["evicted"] += len(gone)
+            self._rebuild()
+            self._changed()
+            return {"items": len(gone), "documents": len(gone), "tenants": len(tenants), "tenants_left": len(self._recent)}
+
+    def _used(self, tenant: str) -> None:
+        if tenant in self._recent:
+            self._recent.move_to_end(tenant)
 
     def stats(self) -> dict:
         with self._lock:
@@ -141,6 +196,8 @@ class SuffixIndex:
                 self._drop_oldest("evicted")
             self._maybe_compact()
             self._changed()
+        if self.budget is not None:  # outside the lock: the budget may ask this index to shed
+            self.budget.check()
 
     def _changed(self) -> None:
         self._generation += 1
@@ -150,12 +207,22 @@ class SuffixIndex:
         start = self._end
         self._docs[start] = _Doc(start, int(doc.size), request_id, created_at, tenant)
         self._chunks.append(np.append(doc, np.int32(SEPARATOR)))
+        self._chunk_bytes += self._chunks[-1].nbytes
         self._end += doc.size + 1
         self._live += int(doc.size)
+        self._recent[tenant] = None
+        self._recent.move_to_end(tenant)
         ids = doc.tolist()
-        anchors = self._anchors
+        anchors, made = self._anchors, 0
         for i in range(ANCHOR, len(ids)):  # the position after each anchor occurrence
-            anchors.setdefault((tenant, ids[i - 2], ids[i - 1]), array("q")).append(start + i)
+            key = (tenant, ids[i - 2], ids[i - 1])
+            positions = anchors.get(key)
+            if positions is None:
+                anchors[key] = positions = array("q")
+                made += 1
+            positions.append(start + i)
+        entries = max(0, len(ids) - ANCHOR)
+        self._held += made * (_KEY_BYTES + _ARRAY_BYTES) + (entries - made) * 8 + _DOC_BYTES + sys.getsizeof(request_id)
 
     def _drop_oldest(self, why: str) -> None:
         _, doc = self._docs.popitem(last=False)
@@ -175,15 +242,17 @@ class SuffixIndex:
         corpus = self._flat()
         offset = self._end - len(corpus)
         kept = [(corpus[d.start - offset: d.start - offset + d.length], d) for d in self._docs.values()]
+        recent = [t for t in self._recent if any(d.tenant == t for _, d in kept)]
         self._clear()
         for tokens, d in kept:
             self._append(tokens, d.request_id, d.created_at, d.tenant)
+        self._recent = OrderedDict.fromkeys(recent)  # the order of use survives a rebuild
 
     def _flat(self) -> np.ndarray:
         """The corpus from ``_base`` on, pending chunks folded in."""
         if self._chunks:
             self._corpus = np.concatenate([self._corpus, *self._chunks])
-            self._chunks = []
+            self._chunks, self._chunk_bytes = [], 0
         cut = self._base - (self._end - len(self._corpus))
         if cut > 0:
             self._corpus = self._corpus[cut:]
@@ -227,6 +296,7 @@ class SuffixIndex:
         if k <= 0 or len(ids) < ANCHOR:
             return None
         with self._lock:
+            self._used(tenant)
             positions = self._anchors.get((tenant, int(ids[-2]), int(ids[-1])))
             if not positions:
                 return None

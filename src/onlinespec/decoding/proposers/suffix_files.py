@@ -8,18 +8,23 @@ index starts empty; set-aside copies may hold requests, so a purge deletes them 
 ages them out. A file built with another tokenizer stops start-up instead
 (:class:`~onlinespec.decoding.proposers.suffix.IdentityMismatch`): its token ids mean other
 words here.
+
+Memory: each index in memory counts against the process's memory budget
+(:mod:`onlinespec.memory`, kind ``suffix_index``) from :meth:`SuffixFiles.open` to
+:meth:`SuffixFiles.close`.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
 from safetensors import SafetensorError
 
+from onlinespec import memory
 from onlinespec.decoding.proposers.suffix import IdentityMismatch, SuffixIndex
+from onlinespec.storage import set_aside
 
 log = logging.getLogger("onlinespec.pool")
 
@@ -36,10 +41,13 @@ class SuffixFiles:
     """The indices of the drafts in memory, each with its file. Every method may be called from
     any thread (the indices lock themselves)."""
 
-    def __init__(self, root: Path, file: str = SUFFIX_FILE, max_tokens: int = 0, identity: str = "") -> None:
+    def __init__(self, root: Path, file: str = SUFFIX_FILE, max_tokens: int = 0, identity: str = "",
+                 budget: memory.MemoryBudget | None = None) -> None:
         """``root``: the folder with one folder per draft; ``file``: the name an index is saved as
-        there; ``max_tokens``: the most an index keeps; ``identity``: the tokenizer's fingerprint."""
+        there; ``max_tokens``: the most an index keeps; ``identity``: the tokenizer's fingerprint;
+        ``budget``: the memory budget the indices count against (None: the process's)."""
         self.root, self.file, self.max_tokens, self.identity = root, file, max_tokens, identity
+        self.budget = budget or memory.budget()
         self.indices: dict[str, tuple[SuffixIndex, Path]] = {}
         self._saved_at = 0.0
 
@@ -54,17 +62,20 @@ class SuffixFiles:
             except IdentityMismatch:
                 raise
             except (ValueError, KeyError, SafetensorError) as err:  # a bad file; an I/O error of the moment is raised
-                quarantine = path.parent / "quarantine"
-                quarantine.mkdir(exist_ok=True)
-                shutil.move(str(path), quarantine / f"{self.file}.{int(time.time())}")
-                log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", name, err, quarantine)
+                moved = set_aside(path, path.parent / "quarantine")
+                log.warning("draft %s: its suffix index could not be read (%s): moved to %s, starting empty", name, err, moved)
         self.indices[name] = (index, path)
+        index.memory_name, index.budget = name, self.budget
+        self.budget.register(index)
+        self.budget.check()
 
     def close(self, name: str) -> None:
         """Save draft ``name``'s index and let it go (the draft leaves memory)."""
         index, path = self.indices.pop(name, (None, None))
         if index is None:
             return
+        self.budget.unregister(index)
+        index.budget = None
         try:
             index.save(path)
         except OSError as err:
