@@ -11,8 +11,9 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,8 +30,10 @@ from onlinespec.serve.config import CoreConfig, model_name
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
 
+if TYPE_CHECKING:
+    from onlinespec.serve.interface import Core
 
-# The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
+
 def _memory_size(value: str | None) -> int | None:
     """--memory-budget in bytes (None: the default), or a usage error that says how to write it."""
     if value is None:
@@ -41,6 +44,7 @@ def _memory_size(value: str | None) -> int | None:
         raise typer.BadParameter(str(err)) from err
 
 
+# The serving core's options, shared by `serve` and `online` (defaults from the config dataclasses).
 CORE_OPTIONS: dict[str, tuple] = {
     "target": (Annotated[str, typer.Option("--target", "--model", help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file (--model: vLLM's name)")], CoreConfig.target),
     "draft": (DraftOpt, CoreConfig.draft),
@@ -186,28 +190,39 @@ def serve(
     names = user_errors(lambda: served_names(served_model_name))
     core = user_errors(lambda: vllm_options(core, model, names, max_model_len, chat_template))
     core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
-    api_keys, admin_keys = _keys(api_key, api_key_file, "--api-key"), _keys(admin_key, admin_key_file, "--admin-key")
-    if len(admin_keys) > 1:
-        console.print(f"[red]error:[/red] {admin_key_file} holds {len(admin_keys)} keys: the admin key file holds one")
-        raise typer.Exit(2)
+    settings = _server_settings(core.model_name, names, (api_key, api_key_file), (admin_key, admin_key_file), tenant_header=tenant_header,
+                                max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
     logs = user_errors(lambda: LogSettings(log_level, log_format))
     if scale is not None:  # the replicas log as the front does
         scale = replace(scale, logs=logs)
     private_files()
-    name = core.model_name
-    settings = ServerSettings(model_name=name, aliases=tuple(names[1:]), api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
-                              tenant_header=tenant_header, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
     where = f", {replicas} replicas on Ray" if scale else ""
-    console.print(f"onlinespec: serving {name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
+    console.print(f"onlinespec: serving {core.model_name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
+    user_errors(lambda: run_server(_core_factory(core, out_dir, scale), host, port, settings, logs))
+
+
+def _server_settings(name: str, names: list[str], api: tuple[str | None, Path | None], admin: tuple[str | None, Path | None],
+                     **options) -> ServerSettings:
+    """``serve``'s HTTP settings: the served names, the API keys and the admin key (from their
+    options or files: :func:`_keys`), and ``options`` as given."""
+    api_keys, admin_keys = _keys(*api, "--api-key"), _keys(*admin, "--admin-key")
+    if len(admin_keys) > 1:
+        console.print(f"[red]error:[/red] {admin[1]} holds {len(admin_keys)} keys: the admin key file holds one")
+        raise typer.Exit(2)
+    return ServerSettings(model_name=name, aliases=tuple(names[1:]), api_keys=tuple(api_keys), admin_key=admin_keys[0] if admin_keys else None,
+                          **options)
+
+
+def _core_factory(core: CoreConfig, out_dir: Path, scale) -> Callable[[], Core]:
+    """What serves: a :class:`ServingCore` in this process, or a :class:`RayCore` over replicas
+    (``scale``: its ScaleConfig). Imported here: serving never imports scale."""
     if scale is None:
         from onlinespec.serve.core import ServingCore
 
-        make_core = functools.partial(ServingCore, core, out_dir)
-    else:
-        from onlinespec.scale import RayCore
+        return functools.partial(ServingCore, core, out_dir)
+    from onlinespec.scale import RayCore
 
-        make_core = functools.partial(RayCore, core, out_dir, scale)
-    user_errors(lambda: run_server(make_core, host, port, settings, logs))
+    return functools.partial(RayCore, core, out_dir, scale)
 
 
 def _scale_config(core: CoreConfig, replicas: int, *resources):

@@ -1,8 +1,9 @@
 """The front of a Ray deployment: what the OpenAI-compatible app serves from when there are replicas.
 
-:class:`RayCore` has the surface of :class:`~onlinespec.serve.core.ServingCore` that the app uses
-(``submit``, ``drafts``, ``operate``, ``purge``, ``metrics``, ``load``, ``shutdown``, ...), so that
-:func:`onlinespec.serve.app.create_app` serves one replica or N with the same code. It:
+:class:`RayCore` implements the serving core's declared interface, :class:`~onlinespec.serve.interface.Core`
+(``submit``, ``drafts``, ``operate``, ``purge``, ``metrics``, ``load``, ``shutdown``, ...), as
+:class:`~onlinespec.serve.core.ServingCore` does, so that :func:`onlinespec.serve.app.create_app`
+serves one replica or N with the same code. It:
 
 - starts (or joins, ``address``) a Ray cluster, one learner actor per draft group, then the
   replica actors, each a whole serving core on its own CPUs;
@@ -44,6 +45,7 @@ from onlinespec.scale.metrics import ClusterMetrics
 from onlinespec.scale.replicas import ACCEPTED, replica_actor
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import Events, Failed, LoadFailed, Overloaded, Served, ServeError, Unavailable
+from onlinespec.serve.interface import Core
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.operations import purge_cutoff, require_learning
 from onlinespec.storage import EventLog, OutDirLock
@@ -112,7 +114,40 @@ class RemoteHandle(Events):
             self.core._detach(self, replica)
 
 
-class RayCore:
+def ray_namespace(out_dir: Path) -> str:
+    """One Ray namespace per out-dir: two deployments on one cluster never share actors."""
+    return "onlinespec-" + hashlib.sha1(str(out_dir).encode()).hexdigest()[:10]
+
+
+def replica_states(replicas: list[Replica]) -> list[dict]:
+    """Each replica's row as the front knows it, with what a ready one says of itself (its
+    versions, suffix indices, baselines, governance)."""
+    states = []
+    for replica in replicas:
+        row = {"name": replica.name, "ready": replica.ready, "pid": replica.pid, "in_flight": len(replica.open),
+               "restarts": replica.restarts, "served": replica.served}
+        if replica.ready:
+            try:
+                row.update(ray.get(replica.actor.state.remote(), timeout=10))
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {err}"
+        states.append(row)
+    return states
+
+
+def learner_call(learners: list, method: str, *args, group: int | None = None, timeout: float = CALL_TIMEOUT) -> list:
+    """Call ``method`` on every learner actor (or group ``group``'s) and wait for their answers."""
+    learners = learners if group is None else [learners[group]]
+    try:
+        return ray.get([getattr(learner, method).remote(*args) for learner in learners], timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise Unavailable(f"the learner actors did not answer within {timeout:g} s (restarting?); retry") from None
+
+
+class RayCore(Core):
+    """The serving core of a Ray deployment (:class:`~onlinespec.serve.interface.Core`): a front
+    over serving replicas and learner actors."""
+
     def __init__(self, config: CoreConfig, out_dir: str | Path, scale: ScaleConfig | None = None) -> None:
         if config.router == "content":
             raise ValueError("content routing runs in a single process for now: serve replicas with --router domain or single")
@@ -142,11 +177,6 @@ class RayCore:
         if self.config.chat_template is not None:  # --chat-template: the replicas' too
             tokenizer.chat_template = self.config.chat_template
         return tokenizer
-
-    @property
-    def namespace(self) -> str:
-        """One Ray namespace per out-dir: two deployments on one cluster never share actors."""
-        return "onlinespec-" + hashlib.sha1(str(self.out_dir).encode()).hexdigest()[:10]
 
     # ---- start and stop ---------------------------------------------------------------------
 
@@ -182,7 +212,7 @@ class RayCore:
         self.status = "loading"
         scale, config = self.scale, self.config
         if not ray.is_initialized():
-            options = {"namespace": self.namespace, "include_dashboard": False, "log_to_driver": True}
+            options = {"namespace": ray_namespace(self.out_dir), "include_dashboard": False, "log_to_driver": True}
             if scale.address is None:  # a local cluster sized for what it runs (learners at low priority share the cores)
                 need = scale.replicas * scale.cpus_per_replica + scale.learner_groups * scale.learner_cpus
                 options["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need))
@@ -377,34 +407,11 @@ class RayCore:
 
     # ---- operators -------------------------------------------------------------------------------
 
-    def _ready_replicas(self) -> list[Replica]:
-        return [r for r in self.replicas if r.ready]
-
-    def _replica_states(self) -> list[dict]:
-        states = []
-        for replica in self.replicas:
-            row = {"name": replica.name, "ready": replica.ready, "pid": replica.pid, "in_flight": len(replica.open),
-                   "restarts": replica.restarts, "served": replica.served}
-            if replica.ready:
-                try:
-                    row.update(ray.get(replica.actor.state.remote(), timeout=10))
-                except Exception as err:
-                    row["error"] = f"{type(err).__name__}: {err}"
-            states.append(row)
-        return states
-
-    def _learner_call(self, method: str, *args, group: int | None = None, timeout: float = CALL_TIMEOUT) -> list:
-        learners = self.learners if group is None else [self.learners[group]]
-        try:
-            return ray.get([getattr(learner, method).remote(*args) for learner in learners], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise Unavailable(f"the learner actors did not answer within {timeout:g} s (restarting?); retry") from None
-
     def drafts(self) -> list[dict]:
         """Every draft (as the single-process server lists them) with the version each replica
         serves, then the replicas and the learner actors."""
-        replicas = self._replica_states()
-        rows = [row for rows in (self._learner_call("drafts") if self.learners else []) for row in rows]
+        replicas = replica_states(self.replicas)
+        rows = [row for rows in (learner_call(self.learners, "drafts") if self.learners else []) for row in rows]
         for row in rows:
             row["replicas"] = {r["name"]: r.get("versions", {}).get(row["name"]) for r in replicas}
             suffix = {r["name"]: r["suffix_index"][row["name"]] for r in replicas if row["name"] in r.get("suffix_index", {})}
@@ -414,14 +421,14 @@ class RayCore:
         return rows + baselines
 
     def replica_rows(self) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in ("baselines", "governance", "suffix_index")} for r in self._replica_states()]
+        return [{k: v for k, v in r.items() if k not in ("baselines", "governance", "suffix_index")} for r in replica_states(self.replicas)]
 
     def learning(self) -> dict:
         """Whether the learners learn (GET /ready shows it: a learner restarting never makes the
         front unready, its replicas serve on)."""
         replicas = {r.name: r.ready for r in self.replicas}
         try:
-            states = self._learner_call("learning", timeout=5) if self.learners else []
+            states = learner_call(self.learners, "learning", timeout=5) if self.learners else []
         except Unavailable:
             return {"learning": self.config.learning, "paused": None, "busy": None, "learners": "not answering (restarting?)",
                     "replicas": replicas}
@@ -431,12 +438,12 @@ class RayCore:
     def governance(self) -> dict:
         """The learner actors' records, with the replicas' suffix indices and opt-outs."""
         total: dict = {}
-        for part in self._learner_call("governance") if self.learners else []:
+        for part in learner_call(self.learners, "governance") if self.learners else []:
             for key, value in part.items():
                 if key.startswith("suffix_") or key == "refused_opt_out":
                     continue
                 total[key] = value if key == "retention_seconds" else total.get(key, 0) + value
-        for state in self._replica_states():
+        for state in replica_states(self.replicas):
             for key in ("suffix_requests_held", "suffix_tokens_held", "refused_opt_out"):
                 total[key] = total.get(key, 0) + state.get("governance", {}).get(key, 0)
         return total
@@ -449,24 +456,25 @@ class RayCore:
         served by every ready replica when this returns."""
         require_learning(self.config)
         if action in ("pause", "resume"):
-            self._learner_call("operate", action)
+            learner_call(self.learners, "operate", action)
             result = self.learning()
         else:
             if name is None:
                 raise ServeError(f"{action} needs a draft name")
-            result = self._learner_call("operate", action, name, version, group=group_of(name, len(self.learners)))[0]
+            result = learner_call(self.learners, "operate", action, name, version, group=group_of(name, len(self.learners)))[0]
             if isinstance(result, ServeError):
                 raise result
             if action in ("rollback", "pin"):
-                served = ray.get([r.actor.follow.remote() for r in self._ready_replicas()], timeout=CALL_TIMEOUT)
-                result["replicas"] = {r.name: s.get(name) for r, s in zip(self._ready_replicas(), served)}
+                ready = [r for r in self.replicas if r.ready]
+                served = ray.get([r.actor.follow.remote() for r in ready], timeout=CALL_TIMEOUT)
+                result["replicas"] = {r.name: s.get(name) for r, s in zip(ready, served)}
         self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
         return result
 
     def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
         before = purge_cutoff(request_id, older_than_days)
-        removed = sum(self._learner_call("purge", request_id, before)) if self.learners else 0
-        replicas = self._ready_replicas()
+        removed = sum(learner_call(self.learners, "purge", request_id, before)) if self.learners else 0
+        replicas = [r for r in self.replicas if r.ready]
         if len(replicas) < len(self.replicas):
             raise Unavailable("a replica is restarting: its suffix index could not be purged; retry when all are ready "
                               f"({removed} records were deleted)")

@@ -9,14 +9,14 @@ import json
 
 from fastapi import APIRouter, Request
 
-from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import NotFound, ServeError
+from onlinespec.serve.interface import Core
 from onlinespec.serve.web import Access, ServerSettings, read_body
 
 PURGE_BODY = "the body must be {\"request_id\": \"ID\"} or {\"older_than_days\": 30}"
 
 
-def admin_router(core: ServingCore, settings: ServerSettings, access: Access) -> APIRouter:
+def admin_router(core: Core, settings: ServerSettings, access: Access) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     async def operate(request: Request, action: str, name: str | None = None, version: str | None = None):

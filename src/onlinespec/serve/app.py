@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over a :class:`~onlinespec.serve.core.ServingCore` (FastAPI).
+"""The OpenAI-compatible HTTP API over a serving core (FastAPI), typed against its declared interface,
+:class:`~onlinespec.serve.interface.Core`: one process's ``ServingCore`` or the Ray front ``RayCore``.
 
 Routes, one router per concern: OpenAI's API under ``/v1`` (:mod:`onlinespec.serve.openai_routes`),
 vLLM's ``/tokenize``, ``/detokenize`` and ``/version`` (:mod:`onlinespec.serve.tokenizer_routes`),
@@ -20,18 +21,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onlinespec.serve.admin_routes import admin_router
-from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import NotFound, ServeError
+from onlinespec.serve.interface import Core
 from onlinespec.serve.logs import AccessLog
 from onlinespec.serve.openai_routes import openai_router
 from onlinespec.serve.tokenizer_routes import tokenizer_router
 from onlinespec.serve.web import Access, ServerSettings, error_response
 
-
 LOADING = ("starting", "loading", "calibrating")  # the statuses before a core first serves (ServingCore's, RayCore's)
 
 
-def create_app(core: ServingCore, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(core: Core, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
 
     @asynccontextmanager
@@ -75,7 +75,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(error)
 
 
-def health_router(core: ServingCore, settings: ServerSettings) -> APIRouter:
+def health_router(core: Core, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -101,7 +101,7 @@ def health_router(core: ServingCore, settings: ServerSettings) -> APIRouter:
     return router
 
 
-def _load_quietly(core: ServingCore) -> None:
+def _load_quietly(core: Core) -> None:
     try:
         core.load()
     except Exception:  # reported by /health and /ready

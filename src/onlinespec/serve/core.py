@@ -1,10 +1,11 @@
-# Over 500 lines: the engine loop and the lifecycle of the requests it serves are one concern; the read-only queries
-# (drafts, routing, learning, governance) are the next to move out, with RayCore, which mirrors them by hand.
 """The serving core: one target, its drafts, one engine loop and the online learners.
 
 Everything that serves goes through :class:`ServingCore`: the HTTP server
 (:mod:`onlinespec.serve.app`), ``onlinespec online`` (a stream submitted in process) and the
-demo (a stream sent over HTTP). None keeps a loop of its own.
+demo (a stream sent over HTTP). None keeps a loop of its own. What it answers is declared once,
+:class:`onlinespec.serve.interface.Core`; the parts it runs (target, engine, router, drafts,
+baselines, recorder) are built from its ``CoreConfig`` by :mod:`onlinespec.serve.builder`; the
+admin API's queries and actions are :class:`onlinespec.serve.operations.PoolOperations`.
 
 Threads::
 
@@ -30,7 +31,6 @@ here (a calibration left on the main thread was enough).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import queue
@@ -40,33 +40,32 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from onlinespec import memory
 from onlinespec.cpu import ENGINE_THREAD, name_thread
-from onlinespec.decoding.engine import SpeculativeEngine
-from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.decoding.request import RequestState
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.scheduler import Scheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
-from onlinespec.factory import FRESH, engine_options, make_proposer
-from onlinespec.models import LoadedModel, load_target
-from onlinespec.online.pool import Draft, DraftPool, saved_drafts
-from onlinespec.routing.domains import Router
+from onlinespec.models import LoadedModel
+from onlinespec.online.pool import ServedDraft
 from onlinespec.serve.admission import Domains, admit_budget, encode, named_draft, queue_full
+from onlinespec.serve.builder import CoreHooks, build, load_configured_target
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
+from onlinespec.serve.handles import Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
+from onlinespec.serve.interface import Core
 from onlinespec.serve.learning import LearningShare
 from onlinespec.serve.metrics import ServeMetrics, batch_state
-from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
-from onlinespec.serve.writer import RecordWriter
+from onlinespec.serve.operations import PoolOperations, housekeep
 from onlinespec.storage import EventLog, OutDirLock, kill_point
-from onlinespec.tokens import Prompt, eos_token_ids, tokenizer_fingerprint
+from onlinespec.tokens import Prompt
 
 _request_ids = itertools.count()
 
 
-class ServingCore:
+class ServingCore(PoolOperations, Core):
+    """One process's serving core (:class:`~onlinespec.serve.interface.Core`): the engine loop and
+    the lifecycle of the requests it serves. Its parts are built from the config by
+    :mod:`onlinespec.serve.builder`; the admin API's half is :class:`~onlinespec.serve.operations.PoolOperations`."""
+
     def __init__(self, config: CoreConfig, out_dir: str | Path, on_event: Callable[[dict], None] | None = None,
                  target: LoadedModel | None = None, replica: str | None = None,
                  learners: Callable[[str, object], object] | None = None) -> None:
@@ -93,6 +92,7 @@ class ServingCore:
             raise
         self.metrics = ServeMetrics(config.model_name)
         self.target = target
+        self.tokenizer, self.context = None, None  # the target's, once loaded
         self.status = "starting"  # starting -> loading -> calibrating -> ready -> draining -> stopped
         self.error: str | None = None
         self._on_event = on_event
@@ -102,7 +102,7 @@ class ServingCore:
         self.recorder: RecordWriter | None = None  # set once loaded
         self._handles: dict[int, Handle] = {}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) to run on the engine thread
-        self._routes: dict[str, Draft] = {}  # domain -> its draft, once routed
+        self._routes: dict[str, ServedDraft] = {}  # domain -> its draft, once routed
         self._domains = Domains(config.max_domains)
         self._stopping = False
         self.started_at = time.time()
@@ -149,64 +149,18 @@ class ServingCore:
                 self._fail(handle, Failed(f"the server failed ({self.error}); it answers no more requests until restarted"))
 
     def _load(self) -> None:
-        config = self.config
+        """Build the parts (:mod:`onlinespec.serve.builder`), open the pool, start the recorder and
+        housekeeping: on the engine thread."""
         self.status = "loading"
         if self.target is None:
-            self.target = load_target(config.target, config.dtype, config.backend, config.device,
-                                      target_format=config.target_format, n_gpu_layers=config.n_gpu_layers,
-                                      expected_acceptance=config.expected_acceptance)
-        model, tokenizer = self.target.model, self.target.tokenizer
-        if config.chat_template is not None:  # --chat-template: it renders every chat request's messages
-            tokenizer.chat_template = config.chat_template
-        self.tokenizer, self.eos = tokenizer, eos_token_ids(model, tokenizer)
+            self.target = load_configured_target(self.config)
         self.status = "calibrating"
-        speculative = config.draft != "none"
-        options = engine_options(self.target, config.k, adaptive=config.adaptive_k, kernels=config.kernels,
-                                 max_batch=config.max_batch) if speculative else {}
-        adaptive = options.get("adaptive_k")
-
-        def new_draft(spec: str = config.draft):
-            """A fresh starting draft with acceptance statistics of its own."""
-            return make_proposer(spec, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
-
-        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len)
-        self.engine = SpeculativeEngine(runner, self.eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
-        self.context = self.engine.context
-        if config.max_model_len is not None and self.context < config.max_model_len:
-            raise ValueError(f"--max-model-len {config.max_model_len} is past this model's context of {self.context} tokens: give at most that")
-        self.scheduler = Scheduler(self.engine, config.max_batch)
-        learning = config.learning
-        content = config.router == "content" and learning and config.head_updates
-        router = Router(config.router if learning and (content or config.router != "content") else "single", config.max_drafts,
-                        saved_drafts(self.out_dir) if learning else ())
-        self.identity = {"target": config.target, "draft": config.draft, "tokenizer": tokenizer_fingerprint(tokenizer)}
-        if learning and config.learn_share is not None and not self.replica:  # a Ray replica's learners are actors
-            self.share = LearningShare(config.learn_share, self.metrics, lambda: self.pool.drafts, self._event_served, self._notify_engine,
-                                       adaptive, config.k)
-        memory.configure(config.memory_budget or memory.default_limit(), on_event=self.event)  # issue 46: onlinespec.memory
-        pool = config.pool_config(self.identity, learner=config.learner if learning and config.head_updates else None,
-                                  suffix_tokens=config.suffix_tokens if learning else 0, content=config.content if content else None,
-                                  suffix_file=replica_suffix_file(self.replica) if self.replica else SUFFIX_FILE, keeps_buffers=not self.replica)
-        self.pool = DraftPool(new_draft, self.out_dir, router, pool, on_event=self.learner_event, learners=self._learners,
-                              turns=self.share.turns if self.share is not None else None,
-                              born={FRESH: lambda: new_draft(config.fresh_draft)} if config.fresh_baseline else None)
-        self.baselines = {TARGET_ALONE: Draft(TARGET_ALONE, None, None, None)}
-        if content:  # the content router's floor is servable by name too
-            self.baselines[STATIC] = self.pool.content.static
-        elif config.static_baseline and speculative:
-            self.baselines[STATIC] = Draft(STATIC, *new_draft(), None)
-        if config.fresh_baseline and speculative:  # learns from the requests that name it (serve --fresh-baseline)
-            self.pool.open(FRESH)
-        curve = options.get("cost_curve")
-        if curve is not None:
-            self.metrics.target_step(curve.cost(1, 1))  # the unit of c on /metrics
-        self.event({"event": "start", "router": router.policy, "learn": learning, "draft": config.draft,
-                    "max_batch": config.max_batch, "backend": self.target.backend, "device": str(self.target.device),
-                    "context": self.context,
-                    "cost_curve_ms": curve.milliseconds() if curve else None})
-        self.pool.open_saved()  # a previous run's drafts: refused now, at start-up, if they are another model's
-        self.recorder = RecordWriter(self.pool, self.metrics, config, self.event, self._release, self.replica,
-                                 on_served=self.share.served if self.share is not None else None)
+        hooks = CoreHooks(self.event, self.learner_event, self._event_served, self._notify_engine, self._release)
+        parts = build(self.config, self.target, self.out_dir, self.metrics, hooks, self.replica, self._learners)
+        self.tokenizer, self.eos, self.engine, self.scheduler = parts.tokenizer, parts.eos, parts.engine, parts.scheduler
+        self.context, self.identity, self.share, self.pool, self.baselines = parts.engine.context, parts.identity, parts.share, parts.pool, parts.baselines
+        parts.open(self.event)  # its events reach learner_event, which reads self.pool
+        self.recorder = parts.recorder
         self.recorder.start()
         self._housekeeper = threading.Thread(target=housekeep, args=(self.pool, self.metrics, lambda: self._stopping),
                                              name="onlinespec-housekeeping", daemon=True)
@@ -276,14 +230,15 @@ class ServingCore:
         params = params or SamplingParams(max_new_tokens=None)
         budget = admit_budget(self.engine, params, len(ids), self.config.default_max_tokens, vocab)
         by_content = draft is None and self.pool.content is not None
-        chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
+        chosen = (self.pool.content.provisional(load=False) or self.on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
+        headroom = self.share.turns.headroom() if self.share is not None else 1.0  # the share of serving time a draft could pay in
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
                 self.metrics.failures.labels("queue_full").inc()
                 raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer, max_new_tokens=budget), proposer=chosen.proposer,
-                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
+                                 adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(headroom) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
@@ -293,7 +248,7 @@ class ServingCore:
         self._notify_engine()
         return handle
 
-    def _on_engine(self, fn: Callable):
+    def on_engine(self, fn: Callable):
         """Run ``fn`` on the engine thread between two steps and return its result (model work:
         a new draft's weights, a rollback's), so that one thread runs the model."""
         if threading.current_thread() is self._loop_thread:
@@ -311,12 +266,12 @@ class ServingCore:
             except BaseException as err:
                 future.set_exception(err)
 
-    def _draft(self, domain: str, name: str | None) -> Draft:
+    def _draft(self, domain: str, name: str | None) -> ServedDraft:
         if name is not None:
             return named_draft(name, self.pool.drafts, self.baselines)
         draft = self._routes.get(domain)  # a domain keeps its draft once routed: only a new one waits for the engine thread
         if draft is None:
-            draft = self._routes[domain] = self._on_engine(lambda: self.pool.route(domain))
+            draft = self._routes[domain] = self.on_engine(lambda: self.pool.route(domain))
         return draft
 
     def cancel(self, handle: Handle) -> None:
@@ -376,10 +331,6 @@ class ServingCore:
             now = time.perf_counter()
             for state in advanced:
                 self._advance(state, now)
-
-    def _headroom(self) -> float:
-        """The share of serving time where a draft could pay (:class:`LearningShare`; 1 without one)."""
-        return self.share.turns.headroom() if self.share is not None else 1.0
 
     def _advance(self, state: RequestState, now: float) -> None:
         handle = self._handles.get(state.id)
@@ -470,48 +421,3 @@ class ServingCore:
     def _event_served(self, event: dict) -> None:
         """A learning event, with the number of requests served before it."""
         self.event({**event, "requests_served": self.requests_served})
-
-    def drafts(self) -> list[dict]:
-        """Every draft (:func:`~onlinespec.serve.operations.draft_rows`), the baselines included."""
-        return draft_rows(self.pool, self.baselines)
-
-    def replica_rows(self) -> list[dict]:
-        """The serving replicas (one process: none; see onlinespec.scale)."""
-        return []
-
-    def routing(self) -> dict:
-        """Content routing's clusters, lifecycle counts and detections (empty for other routers)."""
-        return self.pool.content.report() if self.pool.content is not None else {}
-
-    def learning(self) -> dict:
-        """Whether the drafts learn and, when learning takes the engine's turns, the engine time it
-        takes (:meth:`LearningShare.state`)."""
-        state = {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
-        return {**state, **self.share.state()} if self.share is not None else state
-
-    def governance(self) -> dict:
-        """What the core did with the training data (:meth:`DraftPool.governance`)."""
-        return self.pool.governance()
-
-    def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
-        """Delete a request's training records (or those older than a number of days) now."""
-        before = purge_cutoff(request_id, older_than_days)
-        indexed = self.pool.suffix_purged
-        removed = self.pool.purge(request_id, before)
-        indexed = self.pool.suffix_purged - indexed
-        self.events.drop(request_id, before)  # the log's lines about it go too (with --log-text they hold its text)
-        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
-                    "suffix_requests": indexed})
-        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
-
-    def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
-        """An operator's action (:func:`~onlinespec.serve.operations.operate`); the model work of a
-        rollback or a pin runs on the engine thread. Returns the new state."""
-        require_learning(self.config)
-        result = operate(self.pool, action, name, version, self._on_engine)
-        if action in ("pause", "resume"):
-            result = self.learning()
-        if name in self.pool.drafts and action in ("rollback", "pin"):
-            self.metrics.serving(name, self.pool.drafts[name].learner.registry.current())
-        self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
-        return result

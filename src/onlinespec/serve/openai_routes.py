@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.safety import shown
-from onlinespec.serve.core import ServingCore
 from onlinespec.serve.handles import Delta, Events, NotFound, Served, ServeError
+from onlinespec.serve.interface import Core
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 from onlinespec.serve.shapes import Shape, TokenText
 from onlinespec.serve.web import Access, ServerSettings, error_response, read_body
@@ -28,7 +28,7 @@ from onlinespec.serve.web import Access, ServerSettings, error_response, read_bo
 POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) client is still there
 
 
-def openai_router(core: ServingCore, settings: ServerSettings, access: Access) -> APIRouter:
+def openai_router(core: Core, settings: ServerSettings, access: Access) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
@@ -49,7 +49,7 @@ def openai_router(core: ServingCore, settings: ServerSettings, access: Access) -
     return router
 
 
-async def complete(core: ServingCore, settings: ServerSettings, access: Access, request: Request, chat: bool):
+async def complete(core: Core, settings: ServerSettings, access: Access, request: Request, chat: bool):
     """Submit the request's choices to the core (one request each: ``n`` per prompt); answer with
     their SSE stream, or wait for their end."""
     tenant = access.tenant(request)

@@ -1,13 +1,16 @@
 """What operators do and see: actions on the learners (pause, update, rollback, pin), purges
 and retention of the training data, and the drafts' rows of ``GET /admin/drafts``. The serving
 core and the Ray front (:mod:`onlinespec.scale`) answer the admin API through these, so a rule
-(what a purge accepts, what a server that does not learn refuses) is written once."""
+(what a purge accepts, what a server that does not learn refuses) is written once.
+:class:`PoolOperations` is the admin side of :class:`~onlinespec.serve.interface.Core` for one
+process: what :class:`~onlinespec.serve.core.ServingCore` answers over its own pool."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +19,10 @@ from onlinespec.online.pool import DraftPool, ServedDraft, learner_row
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, ServeError
 from onlinespec.serve.metrics import ServeMetrics
+from onlinespec.storage import EventLog
+
+if TYPE_CHECKING:
+    from onlinespec.serve.learning import LearningShare
 
 TICK_SECONDS = 1.0  # housekeeping (retention, another process's rollback) at least this often
 
@@ -104,3 +111,63 @@ def housekeep(pool: DraftPool, metrics: ServeMetrics, stopping: Callable[[], boo
             metrics.housekeeping_failures.inc()
             logging.getLogger("onlinespec.serve").exception("housekeeping failed (retention, a CURRENT from another process); "
                                                             "it runs again in %s s", TICK_SECONDS)
+
+
+class PoolOperations:
+    """What an operator sees and does in one process (the admin API's half of
+    :class:`~onlinespec.serve.interface.Core`), over the attributes below, which the class that
+    takes it as a base (:class:`~onlinespec.serve.core.ServingCore`) holds once loaded."""
+
+    config: CoreConfig
+    pool: DraftPool
+    baselines: dict[str, Draft]
+    share: LearningShare | None  # when learning takes the engine's turns
+    metrics: ServeMetrics
+    events: EventLog
+    event: Callable[[dict], None]  # an event-log line
+    on_engine: Callable[[Callable], object]  # run model work on the engine thread, between two steps
+
+    def drafts(self) -> list[dict]:
+        """Every draft (:func:`draft_rows`), the baselines included."""
+        return draft_rows(self.pool, self.baselines)
+
+    def replica_rows(self) -> list[dict]:
+        """The serving replicas (one process: none; see onlinespec.scale)."""
+        return []
+
+    def routing(self) -> dict:
+        """Content routing's clusters, lifecycle counts and detections (empty for other routers)."""
+        return self.pool.content.report() if self.pool.content is not None else {}
+
+    def learning(self) -> dict:
+        """Whether the drafts learn and, when learning takes the engine's turns, the engine time it
+        takes (:meth:`LearningShare.state`)."""
+        state = {"learning": self.config.learning, "paused": self.pool.paused, "busy": self.pool.busy}
+        return {**state, **self.share.state()} if self.share is not None else state
+
+    def governance(self) -> dict:
+        """What the core did with the training data (:meth:`DraftPool.governance`)."""
+        return self.pool.governance()
+
+    def purge(self, request_id: str | None = None, older_than_days: float | None = None) -> dict:
+        """Delete a request's training records (or those older than a number of days) now."""
+        before = purge_cutoff(request_id, older_than_days)
+        indexed = self.pool.suffix_purged
+        removed = self.pool.purge(request_id, before)
+        indexed = self.pool.suffix_purged - indexed
+        self.events.drop(request_id, before)  # the log's lines about it go too (with --log-text they hold its text)
+        self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
+                    "suffix_requests": indexed})
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+
+    def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
+        """An operator's action (:func:`operate`); the model work of a rollback or a pin runs on
+        the engine thread. Returns the new state."""
+        require_learning(self.config)
+        result = operate(self.pool, action, name, version, self.on_engine)
+        if action in ("pause", "resume"):
+            result = self.learning()
+        if name in self.pool.drafts and action in ("rollback", "pin"):
+            self.metrics.serving(name, self.pool.drafts[name].learner.registry.current())
+        self.event({"event": "admin", "action": action, "draft": name, "version": version, "result": result})
+        return result

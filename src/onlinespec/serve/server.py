@@ -23,12 +23,12 @@ import httpx
 import uvicorn
 
 from onlinespec.serve.app import create_app
-from onlinespec.serve.core import ServingCore
+from onlinespec.serve.interface import Core
 from onlinespec.serve.logs import LogSettings, configure_logging
 from onlinespec.serve.web import ServerSettings
 
 
-def serve(make_core: Callable[[], ServingCore], host: str = "127.0.0.1", port: int = 8000,
+def serve(make_core: Callable[[], Core], host: str = "127.0.0.1", port: int = 8000,
           settings: ServerSettings | None = None, logs: LogSettings | None = None) -> None:
     """Serve until SIGTERM / SIGINT (blocking). Log lines go to stderr (:mod:`onlinespec.serve.logs`:
     one JSON object each by default; a request line per request, an access line per HTTP request).

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from onlinespec.serve.handles import ServeError, Unavailable
+from onlinespec.serve.interface import Core
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options, render
 from onlinespec.serve.protocol import Message, parse
 from onlinespec.serve.web import Access, ServerSettings, read_body
@@ -67,7 +68,7 @@ def onlinespec_version() -> str:
         return "unknown"
 
 
-def tokenizer_router(core, settings: ServerSettings, access: Access) -> APIRouter:
+def tokenizer_router(core: Core, settings: ServerSettings, access: Access) -> APIRouter:
     router = APIRouter()
 
     def tokenizer():
