@@ -168,7 +168,9 @@ class ServingCore:
             """A fresh starting draft with acceptance statistics of its own."""
             return make_proposer(spec, self.target, config.dtype).proposer, copy.deepcopy(adaptive)
 
-        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len)
+        runner = self.target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len,
+                                    prefix_cache=config.enable_prefix_caching, prefix_cache_cells=config.prefix_cache_cells)  # issue 49: prefix cache
+        self.metrics.prefix_cache(lambda: getattr(runner, "prefix_cache", None))  # issue 49: its cells and evictions on /metrics
         self.engine = SpeculativeEngine(runner, self.eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
         self.context = self.engine.context
         if config.max_model_len is not None and self.context < config.max_model_len:
@@ -250,7 +252,7 @@ class ServingCore:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> Handle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
         ``params.max_new_tokens`` is the request's budget (its ``max_tokens``): checked against
@@ -263,7 +265,8 @@ class ServingCore:
         handle gets the new text after every step (decoding it costs the engine thread time,
         so only streams ask for it). ``tenant``: who sent it (the API key's or a header's name,
         :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
-        only, unless the server shares the index (``CoreConfig.shared_suffix``).
+        only, unless the server shares the index (``CoreConfig.shared_suffix``). ``cache_salt``
+        (vLLM's): the prefix cache reuses only cells of requests of the same tenant and salt.
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
@@ -284,6 +287,7 @@ class ServingCore:
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
+            state.cache_key, state.cache_owner = (tenant, cache_salt or ""), request_id  # issue 49: prefix cache key and purge owner
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
@@ -496,11 +500,14 @@ class ServingCore:
         before = purge_cutoff(request_id, older_than_days)
         indexed = self.pool.suffix_purged
         removed = self.pool.purge(request_id, before)
+        purge_prefix = getattr(self.engine.runner, "purge_prefix", None)  # issue 49: the prefix cache's cells it made go too
+        cached = self._on_engine(lambda: purge_prefix(request_id, before)) if purge_prefix is not None else 0
         indexed = self.pool.suffix_purged - indexed
         self.events.drop(request_id, before)  # the log's lines about it go too (with --log-text they hold its text)
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
                     "suffix_requests": indexed})
-        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "prefix_cache_cells_deleted": cached,
+                "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
         """An operator's action (:func:`~onlinespec.serve.operations.operate`); the model work of a
