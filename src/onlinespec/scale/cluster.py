@@ -473,9 +473,11 @@ class RayCore:
         answers = ray.get([r.actor.purge.remote(request_id, older_than_days) for r in replicas], timeout=CALL_TIMEOUT)
         self.events.drop(request_id, before)
         indexed = sum(a["suffix_requests_deleted"] for a in answers)
+        cached = sum(a.get("prefix_cache_cells_deleted", 0) for a in answers)  # issue 49: each replica's prefix cache
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
                     "suffix_requests": indexed})
-        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "prefix_cache_cells_deleted": cached,
+                "governance": self.governance()}
 
     def event(self, event: dict) -> None:
         self.events.write(event)
