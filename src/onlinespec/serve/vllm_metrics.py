@@ -71,6 +71,8 @@ class VllmMetrics:
                                         (*m, "position"), registry=r)
         for gauge in (self.running, self.waiting, self.kv_usage, self.gpu_kv_usage):
             gauge.labels(model_name).set(0)  # present from the start: a dashboard shows 0, not "no data"
+        for counter in (self.prefix_queries, self.prefix_hits):
+            counter.labels(model_name)  # 0 from the start (the cache off, or on torch: it stays 0)
 
     def request(self, stats, figures: dict, max_tokens: int | None) -> None:
         """One finished request (``stats``: its RequestStats; ``figures``: onlinespec.metrics.speculative_decoding)."""
