@@ -105,3 +105,25 @@ def test_a_live_request_takes_the_sequence_of_the_least_recently_used_entry(targ
         runner.release([row])
     assert len(runner.prefix_cache.entries) == 2 and runner.prefix_cache.evicted_cells == 40
     assert runner.reuse(Row(key=("tenant-2", "")), ids + [7], 16) == 40
+
+
+def test_serve_takes_vllms_prefix_caching_flags(tmp_path, monkeypatch):
+    """`--enable-prefix-caching` (the default) / `--no-enable-prefix-caching` and
+    `--prefix-cache-cells` reach the core's config (nothing starts); a budget below 1 exits 2."""
+    from typer.testing import CliRunner
+
+    from onlinespec import cli
+    from onlinespec.cli import app
+    from onlinespec.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda make_core, host, port, settings, logs: seen.update(core=make_core.args[0]))
+    monkeypatch.setattr(cli.serving, "private_files", lambda: None)
+    out = ["--out-dir", str(tmp_path / "run"), "--backend", "torch"]
+    runner = CliRunner()
+    assert runner.invoke(app, ["serve", "models/tiny", *out]).exit_code == 0
+    assert seen["core"].enable_prefix_caching and seen["core"].prefix_cache_cells is None
+    result = runner.invoke(app, ["serve", "models/tiny", "--no-enable-prefix-caching", "--prefix-cache-cells", "2048", *out])
+    assert result.exit_code == 0, result.output
+    assert (seen["core"].enable_prefix_caching, seen["core"].prefix_cache_cells) == (False, 2048)
+    assert runner.invoke(app, ["serve", "models/tiny", "--prefix-cache-cells", "0", *out]).exit_code == 2
