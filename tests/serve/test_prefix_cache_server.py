@@ -12,6 +12,7 @@ cached prefix is a different cut (docs/engine.md, "Prefix caching")."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import httpx
 import openai
@@ -103,6 +104,7 @@ def test_later_turns_hit_and_answer_as_without_the_cache(cached, uncached):
         ids = lambda text: target.tokenizer(text, add_special_tokens=False).input_ids
         gap = divergence_gap(target, prompt, ids(off[turn]), ids(on[turn]))
         assert gap <= NEAR_TIE["gguf"], f"turn {turn + 1} diverged where the target was not near a tie (gap {gap:.3f}): {on} vs {off}"
+        warnings.warn(f"cache on and off parted at turn {turn + 1}, at a near-tie of the target (gap {gap:.4f})", stacklevel=1)
 
 
 def test_streamed_usage_says_the_cached_tokens(cached):
