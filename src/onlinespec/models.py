@@ -68,10 +68,13 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def runner(self, max_rows: int = 8, cost_curve=None, pad: bool = True, context: int | None = None):
+    def runner(self, max_rows: int = 8, cost_curve=None, pad: bool = True, context: int | None = None,
+               prefix_cache: bool = False, prefix_cache_cells: int | None = None):
         """A fresh runner of this target for an engine of up to ``max_rows`` requests
         (:mod:`onlinespec.decoding.runners`); ``cost_curve`` and ``pad``: the torch backend's padding;
-        ``context``: tokens per request (None: the model's own; llama.cpp: at most its training context)."""
+        ``context``: tokens per request (None: the model's own; llama.cpp: at most its training context);
+        ``prefix_cache``: llama.cpp keeps finished requests' cells for reuse, at most ``prefix_cache_cells``
+        (:mod:`onlinespec.decoding.prefix_cache`; the torch backend has no prefix cache, docs/engine.md)."""
         if self.backend == "llama.cpp":
             from onlinespec.decoding.runners.llamacpp import LlamaCppRunner
 
@@ -79,7 +82,8 @@ class LoadedModel:
             # verification maths) runs single-threaded: torch's own OpenMP team, spinning after
             # each op, would take the cores from llama.cpp's team at its barriers (docs/cpu-speculation.md).
             torch.set_num_threads(1)
-            return LlamaCppRunner(self.llama, max_rows=max_rows, context=context)
+            return LlamaCppRunner(self.llama, max_rows=max_rows, context=context, prefix_cache=prefix_cache,
+                                  prefix_cache_cells=prefix_cache_cells)
         from onlinespec.decoding.runners.torch_runner import TorchRunner
 
         return TorchRunner(self.model, cost_curve, pad, context=context)

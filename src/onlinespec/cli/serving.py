@@ -96,6 +96,12 @@ CORE_OPTIONS: dict[str, tuple] = {
     "adaptive_k": (Annotated[bool, typer.Option("--adaptive-k/--fixed-k", help="per-step k from the cost model, or always k")], CoreConfig.adaptive_k),
     "kernels": (Annotated[bool, typer.Option("--kernels/--no-kernels", help="small-batch linear kernels when measured faster")], CoreConfig.kernels),
     "max_batch": (Annotated[int, typer.Option("--max-batch", "--max-num-seqs", min=1, help="requests verified per step (--max-num-seqs: vLLM's name)")], CoreConfig.max_batch),
+    "enable_prefix_caching": (Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="llama.cpp: a new prompt reuses the "
+                                                             "KV cells of the longest prefix an earlier request of its tenant (and cache_salt) computed (vLLM's flag; on by default, as in vLLM V1)")],
+                              CoreConfig.enable_prefix_caching),
+    "prefix_cache_cells": (Annotated[Optional[int], typer.Option(min=1, help="the most KV cells (tokens) finished requests keep for prefix caching, "
+                                                                 "least recently used out first (default: one request's context; each context's worth is one more llama.cpp sequence)")],
+                           CoreConfig.prefix_cache_cells),
     "max_waiting": (Annotated[int, typer.Option(min=0, help="requests queued for a slot; more are refused with 429 and Retry-After")], CoreConfig.max_waiting),
     "shared_suffix": (Annotated[bool, typer.Option(help="one suffix index per draft for all tenants: more acceptance, but a client's proposals then reveal other clients' text (docs/reliability.md)")], CoreConfig.shared_suffix),
     "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
@@ -121,7 +127,8 @@ def _core_config(o: dict) -> CoreConfig:
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
-                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget")}
+                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget",
+                                         "enable_prefix_caching", "prefix_cache_cells")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
     return CoreConfig(**plain, learner=learner, content=content, learn_share=o["learn_share"] or None)

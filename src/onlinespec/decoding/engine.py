@@ -279,6 +279,24 @@ class SpeculativeEngine:
             r.prefilled = shared
             report.shared_prefill_tokens += shared
             self.shared_prefill_tokens += shared
+            return
+        self._reuse_prefix(r, report)
+
+    def _reuse_prefix(self, r: RequestState, report: StepReport) -> None:
+        """A new prompt starts from the cells of the longest prefix an earlier request of its key
+        left in the runner's prefix cache (:mod:`onlinespec.decoding.prefix_cache`; llama.cpp
+        only), counted once as a query of its prompt's tokens, and its hit as cached tokens."""
+        reuse = getattr(self.runner, "reuse", None)
+        if reuse is None or r.cache_key is None or r.stats.prefix_queried:
+            return
+        reused = reuse(r, r.prompt_ids, MIN_SHARED_PREFILL)
+        if reused is None:  # the runner keeps no prefix cache
+            return
+        r.stats.prefix_queried = len(r.prompt_ids)
+        if reused:
+            r.prefilled = r.stats.cached_tokens = reused
+            report.shared_prefill_tokens += reused
+            self.shared_prefill_tokens += reused
 
     def _prefill_and_verify(self, r: RequestState, rest: list[int], proposal: Proposal, report: StepReport) -> int:
         """One joining request's forward: the ``rest`` of its text not cached yet and its

@@ -72,6 +72,8 @@ class RequestStats:
     target_seconds: float = 0.0  # target forwards this request was in
     draft_seconds: float = 0.0  # draft calls this request was in
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache (usage.prompt_tokens_details.cached_tokens)
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache (0: no lookup, the cache is off)
     timings: list[RoundTiming] = field(default_factory=list, repr=False)
     # per draft step j (index j - 1): proposals judged there (every earlier one was accepted), and
     # how many of them the target accepted: step_accepted[j] / step_judged[j] is step j's acceptance
@@ -192,6 +194,10 @@ class RequestState:
     prompt_embedding: torch.Tensor | None = None  # [H], once the prompt is prefilled (see add_prompt_states)
     error: str | None = None  # what failed this request alone inside a step (it is finished; the others go on)
     tenant: str = ""  # whose earlier requests its suffix index drafts from ("": the shared ones)
+    # prefix caching (onlinespec.decoding.prefix_cache): the key whose cached cells it may reuse and
+    # leaves its own under, (tenant, cache_salt), None: neither; and the request id a purge names
+    cache_key: tuple[str, str] | None = None
+    cache_owner: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when params.logprobs is set
     # per prompt token when params.prompt_logprobs is set (None for the first, which nothing scores)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

@@ -305,13 +305,13 @@ class RayCore(Core):
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> RemoteHandle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> RemoteHandle:
         """Queue a request on a replica (as :meth:`ServingCore.submit`; the same errors)."""
         if not self.ready:
             raise Unavailable(f"not ready: {self.error or 'no replica is ready'}; retry when GET /ready answers 200")
         request = {"prompt": prompt, "params": params, "domain": domain, "train": train, "draft": draft,
                    "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "stream": stream,
-                   "tenant": tenant}
+                   "tenant": tenant, "cache_salt": cache_salt}
         handle = RemoteHandle(self, request, notify)
         self._place(handle)
         return handle
@@ -481,9 +481,11 @@ class RayCore(Core):
         answers = ray.get([r.actor.purge.remote(request_id, older_than_days) for r in replicas], timeout=CALL_TIMEOUT)
         self.events.drop(request_id, before)
         indexed = sum(a["suffix_requests_deleted"] for a in answers)
+        cached = sum(a.get("prefix_cache_cells_deleted", 0) for a in answers)  # issue 49: each replica's prefix cache
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
                     "suffix_requests": indexed})
-        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "prefix_cache_cells_deleted": cached,
+                "governance": self.governance()}
 
     def event(self, event: dict) -> None:
         self.events.write(event)

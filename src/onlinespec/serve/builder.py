@@ -89,7 +89,9 @@ def build(config: CoreConfig, target: LoadedModel, out_dir: Path, metrics: Serve
         """A fresh starting draft with acceptance statistics of its own."""
         return make_proposer(spec, target, config.dtype).proposer, copy.deepcopy(adaptive)
 
-    runner = target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len)
+    runner = target.runner(config.max_batch, options.get("cost_curve"), options.get("pad", False), context=config.max_model_len,
+                           prefix_cache=config.enable_prefix_caching, prefix_cache_cells=config.prefix_cache_cells)
+    metrics.prefix_cache(lambda: getattr(runner, "prefix_cache", None))  # its cells and evictions on /metrics (llama.cpp only)
     engine = SpeculativeEngine(runner, eos, config.k if speculative else 0, prefill_chunk=config.prefill_chunk)
     if config.max_model_len is not None and engine.context < config.max_model_len:
         raise ValueError(f"--max-model-len {config.max_model_len} is past this model's context of {engine.context} tokens: give at most that")

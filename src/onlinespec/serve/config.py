@@ -47,6 +47,11 @@ class CoreConfig:
     fresh_baseline: bool = False  # also serve, as draft "fresh", the same kind of draft born from nothing (DRAFT:fresh),
     # learning from the requests sent to it by name: the cold start beside the packaged head, on the same server
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    # llama.cpp: finished requests' KV cells serve new prompts of the same tenant and cache_salt that begin
+    # the same way (onlinespec.decoding.prefix_cache; on by default, as in vLLM V1), at most this many cells
+    # (None: one request's context)
+    enable_prefix_caching: bool = True
+    prefix_cache_cells: int | None = None
     log_text: bool = False  # request log lines carry prompt and output text
     retention_days: float | None = None  # records (and event-log lines) older than this are deleted; None: kept
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
@@ -79,6 +84,8 @@ class CoreConfig:
         if self.fresh_baseline and (self.draft.partition(":")[0] not in ("hybrid", "head") or self.router == "content" or not self.learn):
             raise ValueError(f"a fresh baseline is a head born from the target, learning: it needs --draft hybrid or head (not "
                              f"{self.draft!r}), learning on, and a router other than content (its drafts are the clusters')")
+        if self.prefix_cache_cells is not None and self.prefix_cache_cells < 1:
+            raise ValueError(f"prefix_cache_cells must be >= 1 (or unset: one request's context), got {self.prefix_cache_cells}")
         if self.learn_share is not None and not 0.0 < self.learn_share <= 1.0:
             raise ValueError(f"learn_share must lie in (0, 1] (or unset: updates in a low-priority thread), got {self.learn_share}")
 

@@ -206,7 +206,7 @@ class ServingCore(PoolOperations, Core):
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> Handle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
         ``params.max_new_tokens`` is the request's budget (its ``max_tokens``): checked against
@@ -219,7 +219,8 @@ class ServingCore(PoolOperations, Core):
         handle gets the new text after every step (decoding it costs the engine thread time,
         so only streams ask for it). ``tenant``: who sent it (the API key's or a header's name,
         :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
-        only, unless the server shares the index (``CoreConfig.shared_suffix``).
+        only, unless the server shares the index (``CoreConfig.shared_suffix``). ``cache_salt``
+        (vLLM's): the prefix cache reuses only cells of requests of the same tenant and salt.
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
@@ -241,6 +242,7 @@ class ServingCore(PoolOperations, Core):
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(headroom) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
+            state.cache_key, state.cache_owner = (tenant, cache_salt or ""), request_id  # issue 49: prefix cache key and purge owner
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle

@@ -165,6 +165,11 @@ class ServeMetrics:
         self.waiting.set(waiting)
         self.vllm.batch(running, waiting, kv_usage)
 
+    def prefix_cache(self, cache) -> None:
+        """Export the prefix cache's size, budget and evictions, read at each scrape from
+        ``cache()`` (a :class:`~onlinespec.decoding.prefix_cache.PrefixCache`, or None: off)."""
+        self.registry.register(_PrefixCacheCollector(cache))
+
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
         self.vllm.itl.labels(self.vllm.model_name).observe(seconds)
@@ -248,3 +253,23 @@ def batch_state(scheduler) -> tuple[int, int, float]:
     room = scheduler.max_batch * scheduler.engine.context
     held = sum(len(request.ids) for request in running)
     return len(running), len(scheduler.waiting), min(held / room, 1.0) if room > 0 else 0.0
+
+
+class _PrefixCacheCollector:
+    """``onlinespec:prefix_cache_cells``, ``..._budget_cells`` and ``..._evicted_cells_total``
+    (vLLM's prefix-cache queries and hits: :mod:`onlinespec.serve.vllm_metrics`)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def describe(self):
+        return []  # read at scrape time: the cache may not exist when the collector registers
+
+    def collect(self):
+        cache = self.cache()
+        cells, budget, evicted = (cache.cells, cache.budget, cache.evicted_cells) if cache is not None else (0, 0, 0)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_cells", "KV cells finished requests keep for prefix caching", value=cells)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_budget_cells", "The most cells the prefix cache keeps (--prefix-cache-cells; 0: off)",
+                                value=budget)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_evicted_cells", "Cached cells evicted, least recently used first, for the budget "
+                                  "or a live request", value=evicted)

@@ -79,7 +79,8 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
                 # event-log lines): a purge of that id reaches them all
                 handles.append(await asyncio.to_thread(
                     core.submit, prompt, params=choice_params(params, j), domain=body.domain or "default", train=body.train and j == 0,
-                    draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant))
+                    draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant,
+                    cache_salt=body.cache_salt))
     except BaseException:
         for handle in handles:
             handle.cancel()

@@ -22,6 +22,7 @@ from onlinespec.serve.metrics import ServeMetrics
 from onlinespec.storage import EventLog
 
 if TYPE_CHECKING:
+    from onlinespec.decoding.engine import SpeculativeEngine
     from onlinespec.serve.learning import LearningShare
 
 TICK_SECONDS = 1.0  # housekeeping (retention, another process's rollback) at least this often
@@ -120,10 +121,11 @@ class PoolOperations:
 
     config: CoreConfig
     pool: DraftPool
-    baselines: dict[str, Draft]
+    baselines: dict[str, ServedDraft]
     share: LearningShare | None  # when learning takes the engine's turns
     metrics: ServeMetrics
     events: EventLog
+    engine: SpeculativeEngine
     event: Callable[[dict], None]  # an event-log line
     on_engine: Callable[[Callable], object]  # run model work on the engine thread, between two steps
 
@@ -154,11 +156,14 @@ class PoolOperations:
         before = purge_cutoff(request_id, older_than_days)
         indexed = self.pool.suffix_purged
         removed = self.pool.purge(request_id, before)
+        purge_prefix = getattr(self.engine.runner, "purge_prefix", None)  # the prefix cache's cells it made go too (llama.cpp)
+        cached = self.on_engine(lambda: purge_prefix(request_id, before)) if purge_prefix is not None else 0
         indexed = self.pool.suffix_purged - indexed
         self.events.drop(request_id, before)  # the log's lines about it go too (with --log-text they hold its text)
         self.event({"event": "purge", "request_id": request_id, "older_than_days": older_than_days, "records": removed,
-                    "suffix_requests": indexed})
-        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "governance": self.governance()}
+                    "suffix_requests": indexed, "prefix_cache_cells": cached})
+        return {"records_deleted": removed, "suffix_requests_deleted": indexed, "prefix_cache_cells_deleted": cached,
+                "governance": self.governance()}
 
     def operate(self, action: str, name: str | None = None, version: str | None = None) -> dict:
         """An operator's action (:func:`operate`); the model work of a rollback or a pin runs on

@@ -82,6 +82,8 @@ class _Common(BaseModel):
     domain: str | None = None  # routing hint: the draft of this domain serves it (a label: onlinespec.safety.LABEL)
     train: bool = True  # False: never stored, never trained on
     draft: str | None = None  # serve with this draft by name ("static", "none", or a draft's name)
+    # vLLM's: the prefix cache reuses cells of requests with the same salt (and tenant) only
+    cache_salt: str | None = Field(None, min_length=1, max_length=1000)
     # processors of the target's distribution (OpenAI's, then vLLM's extras)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)

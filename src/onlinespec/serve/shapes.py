@@ -155,7 +155,10 @@ def _top(words: TokenText, x: TokenLogprob) -> dict[str, float]:
 
 
 def usage(served: list[Served], n: int = 1) -> dict:
-    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of every choice."""
+    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of every choice;
+    ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served, once per prompt."""
     prompt_tokens = sum(s.prompt_tokens for s in served[::n])
     completion = sum(s.completion_tokens for s in served)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = sum(max(s.stats.cached_tokens for s in served[i: i + n]) for i in range(0, len(served), n))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -61,6 +61,9 @@ class VllmMetrics:
         self.request_generation = hist("request_generation_tokens", "Generated tokens per finished request", counts)
         self.max_tokens = hist("request_params_max_tokens", "The request's token budget (max_tokens, or what the context left)", counts)
         self.max_generation = hist("request_max_num_generation_tokens", "The request's token budget (one sequence per request)", counts)
+        self.prefix_queries = Counter(name("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache (llama.cpp, "
+                                      "--enable-prefix-caching)", m, registry=r)
+        self.prefix_hits = Counter(name("prefix_cache_hits"), "Prompt tokens whose KV cells came from the prefix cache", m, registry=r)
         self.drafts = Counter(name("spec_decode_num_drafts"), "Rounds that sent proposals", m, registry=r)
         self.draft_tokens = Counter(name("spec_decode_num_draft_tokens"), "Proposed tokens", m, registry=r)
         self.accepted = Counter(name("spec_decode_num_accepted_tokens"), "Accepted proposals", m, registry=r)
@@ -68,6 +71,8 @@ class VllmMetrics:
                                         (*m, "position"), registry=r)
         for gauge in (self.running, self.waiting, self.kv_usage, self.gpu_kv_usage):
             gauge.labels(model_name).set(0)  # present from the start: a dashboard shows 0, not "no data"
+        for counter in (self.prefix_queries, self.prefix_hits):
+            counter.labels(model_name)  # 0 from the start (the cache off, or on torch: it stays 0)
 
     def request(self, stats, figures: dict, max_tokens: int | None) -> None:
         """One finished request (``stats``: its RequestStats; ``figures``: onlinespec.metrics.speculative_decoding)."""
@@ -84,6 +89,9 @@ class VllmMetrics:
         if stats.new_tokens > 1:
             self.tpot.labels(name).observe(max(stats.seconds - stats.first_token_seconds, 0.0) / (stats.new_tokens - 1))
         self.request_prompt.labels(name).observe(stats.prompt_tokens)
+        if stats.prefix_queried:
+            self.prefix_queries.labels(name).inc(stats.prefix_queried)
+            self.prefix_hits.labels(name).inc(stats.cached_tokens)
         self.request_generation.labels(name).observe(stats.new_tokens)
         if max_tokens is not None:
             self.max_tokens.labels(name).observe(max_tokens)

@@ -16,6 +16,11 @@ through llama-cpp-python's ctypes bindings (``docs/backends.md`` says why that b
   read the same features as on the torch backend.
 
 Prompts longer than ``n_batch`` tokens are decoded in pieces of ``n_batch``.
+
+With a prefix cache (:mod:`onlinespec.decoding.prefix_cache`), a request that ends leaves its
+sequence's cells as a cache entry instead of clearing them; the context then has sequences beyond
+the batch's (one per ``context`` cells of the cache's budget), so cached cells never take a live
+request's room, and a new request takes a free sequence, or the least recently used entry's.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from onlinespec.decoding.prefix_cache import PrefixCache
+
 DEFAULT_CONTEXT = 4096  # tokens per request unless asked (the KV cache is allocated up front, per request)
 N_BATCH = 512  # tokens per llama_decode call
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context may have
 
 
 class LlamaCppError(RuntimeError):
@@ -94,16 +102,26 @@ class LlamaCppRunner:
     name = "llama.cpp"
 
     def __init__(self, model: LlamaCppModel, max_rows: int = 8, context: int | None = None,
-                 threads: int | None = None, n_batch: int = N_BATCH) -> None:
+                 threads: int | None = None, n_batch: int = N_BATCH, prefix_cache: bool = False,
+                 prefix_cache_cells: int | None = None) -> None:
         """``max_rows``: requests held at once (running and prefilling); ``context``: tokens per
-        request (default: the model's training context, at most :data:`DEFAULT_CONTEXT`)."""
+        request (default: the model's training context, at most :data:`DEFAULT_CONTEXT`);
+        ``prefix_cache``: keep finished requests' cells for new prompts that begin the same way,
+        at most ``prefix_cache_cells`` of them (default: one request's context)."""
         self._lib = lib = _bindings()
         self.model, self.max_rows, self.n_batch = model, max_rows, n_batch
         self._context = min(context or DEFAULT_CONTEXT, model.n_ctx_train or DEFAULT_CONTEXT)
         self.threads = threads or cpu_threads()
+        self.prefix_cache = PrefixCache(prefix_cache_cells or self._context) if prefix_cache else None
+        # the cache's own sequences (idle batch sequences hold entries too, until a request needs them)
+        extra = -(-self.prefix_cache.budget // self._context) if self.prefix_cache else 0
+        if max_rows + extra > MAX_SEQUENCES:
+            raise LlamaCppError(f"{max_rows} requests and a prefix cache of {prefix_cache_cells} cells need {max_rows + extra} llama.cpp "
+                                f"sequences of {self._context} cells, past llama.cpp's {MAX_SEQUENCES}: lower --prefix-cache-cells")
+        self.sequences = max_rows + extra
         params = lib.llama_context_default_params()
-        params.n_ctx = self._context * max_rows
-        params.n_seq_max = max_rows
+        params.n_ctx = self._context * self.sequences
+        params.n_seq_max = self.sequences
         params.n_batch = params.n_ubatch = n_batch
         params.n_threads = params.n_threads_batch = self.threads
         params.embeddings = True
@@ -111,15 +129,16 @@ class LlamaCppRunner:
         params.kv_unified = False
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
-            raise LlamaCppError(f"llama.cpp could not make a context of {max_rows} x {self._context} tokens for "
-                                f"{model.path.name}: lower --max-batch or the context")
+            raise LlamaCppError(f"llama.cpp could not make a context of {self.sequences} x {self._context} tokens for "
+                                f"{model.path.name}: lower --max-batch, --prefix-cache-cells or the context")
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self._rows: list[object] = []
         self._seq: dict[int, int] = {}  # id(request) -> its sequence id
         self._length: dict[int, int] = {}  # id(request) -> positions in its cache
+        self._tokens: dict[int, list[int]] = {}  # id(request) -> the tokens its cache holds, in order
         self._held: dict[int, object] = {}  # id(request) -> request
-        self._free = list(range(max_rows - 1, -1, -1))
+        self._free = list(range(self.sequences - 1, -1, -1))
         self._last: list[int] = []  # the last forward's block sizes (rewind)
         self._embeddings = True  # the context's embeddings switch (see _decode)
 
@@ -172,9 +191,40 @@ class LlamaCppRunner:
         key = id(request)
         # sequences have streams of their own (kv_unified off): llama.cpp copies a whole stream, then the copy is cut
         self._lib.llama_memory_seq_cp(self._memory, self._seq[id(donor)], self._seq[key], -1, -1)
-        self._length[key] = self._length[id(donor)]
+        self._length[key], self._tokens[key] = self._length[id(donor)], list(self._tokens[id(donor)])
         self._trim(request, length)
         return True
+
+    def reuse(self, request: object, prompt: list[int], least: int = 1) -> int | None:
+        """Start a new ``request``'s cache with the longest prefix of ``prompt`` (at most all but
+        its last token) that a cache entry of the request's key (``request.cache_key``) holds, when
+        at least ``least`` tokens: the entry's cells copied into the request's sequence
+        (``llama_memory_seq_cp``), or the entry's sequence itself when no other is free. Returns
+        the positions reused (0: none); None when this runner keeps no prefix cache."""
+        cache, key = self.prefix_cache, getattr(request, "cache_key", None)
+        if cache is None or key is None:
+            return None
+        entry, length = cache.lookup(key, prompt)
+        if entry is None or length < least or id(request) in self._held:
+            return 0
+        if self._make_free(keep=entry):
+            self._acquire(request)
+            self._lib.llama_memory_seq_cp(self._memory, entry.seq, self._seq[id(request)], -1, -1)
+        else:  # every other sequence is a live request's: this one takes the entry's own
+            self._seq[id(request)], self._held[id(request)] = cache.take(entry), request
+        self._length[id(request)], self._tokens[id(request)] = len(entry.tokens), entry.tokens.tolist()
+        self._trim(request, length)
+        return length
+
+    def purge_prefix(self, owner: str | None = None, before: float | None = None) -> int:
+        """Drop the cache entries made by request ``owner`` (or before the Unix time ``before``);
+        return the cells dropped."""
+        if self.prefix_cache is None:
+            return 0
+        held = self.prefix_cache.cells
+        for seq in self.prefix_cache.purge(owner, before):
+            self._clear(seq)
+        return held - self.prefix_cache.cells
 
     def forward(self, blocks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len(blocks) != len(self._rows):
@@ -184,8 +234,9 @@ class LlamaCppRunner:
         if sum(sizes) > self.n_batch:
             raise LlamaCppError(f"a step of {sum(sizes)} tokens exceeds llama.cpp's batch of {self.n_batch}")
         logits, hidden = self._decode([(seq, pos, block, len(block)) for seq, pos, block in entries])
-        for r, size in zip(self._rows, sizes):
-            self._length[id(r)] += size
+        for r, block in zip(self._rows, blocks):
+            self._length[id(r)] += len(block)
+            self._tokens[id(r)].extend(block)
         self._last = sizes
         return list(logits.split(sizes)), list(hidden.split(sizes))
 
@@ -199,20 +250,29 @@ class LlamaCppRunner:
     # ---- what requests hold -------------------------------------------------------------------
 
     def release(self, requests: list[object]) -> None:
+        """Free what ``requests`` hold; with a prefix cache, the cells of one that did not fail
+        stay as a cache entry under its key (``request.cache_key``)."""
         for request in requests:
             key = id(request)
             if key not in self._held:
                 continue
-            self._lib.llama_memory_seq_rm(self._memory, self._seq[key], -1, -1)  # a whole sequence: never fails
-            self._free.append(self._seq.pop(key))
+            seq, tokens = self._seq.pop(key), self._tokens.pop(key)
             del self._length[key], self._held[key]
+            cache_key = getattr(request, "cache_key", None)
+            if self.prefix_cache is None or cache_key is None or getattr(request, "error", None) is not None or len(tokens) < 2:
+                self._clear(seq)
+                continue
+            for freed in self.prefix_cache.add(cache_key, tokens, seq, getattr(request, "cache_owner", None)):
+                self._clear(freed)
         gone = {id(r) for r in requests}
         self._rows = [r for r in self._rows if id(r) not in gone]
 
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._memory, True)
-        self._rows, self._seq, self._length, self._held = [], {}, {}, {}
-        self._free = list(range(self.max_rows - 1, -1, -1))
+        self._rows, self._seq, self._length, self._tokens, self._held = [], {}, {}, {}, {}
+        self._free = list(range(self.sequences - 1, -1, -1))
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # ---- llama.cpp calls ----------------------------------------------------------------------
 
@@ -220,9 +280,21 @@ class LlamaCppRunner:
         key = id(request)
         if key in self._held:
             return
-        if not self._free:
+        if not self._make_free():
             raise LlamaCppError(f"all {self.max_rows} llama.cpp sequences are in use: the engine ran more requests than its batch")
-        self._seq[key], self._length[key], self._held[key] = self._free.pop(), 0, request
+        self._seq[key], self._length[key], self._tokens[key], self._held[key] = self._free.pop(), 0, [], request
+
+    def _make_free(self, keep: object = None) -> bool:
+        """Whether a sequence is free, evicting the least recently used cache entry (not ``keep``) if need be."""
+        if not self._free and self.prefix_cache is not None:
+            seq = self.prefix_cache.evict(keep)
+            if seq is not None:
+                self._clear(seq)
+        return bool(self._free)
+
+    def _clear(self, seq: int) -> None:
+        self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)  # a whole sequence: never fails
+        self._free.append(seq)
 
     def _extend(self, request: object, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``tokens`` to one request's cache, in pieces of at most ``n_batch`` (the outputs
@@ -236,6 +308,7 @@ class LlamaCppRunner:
         for piece, outputs in pieces:
             out = self._decode([(self._seq[key], self._length[key], piece, len(piece) if outputs else 0)])
             self._length[key] += len(piece)
+            self._tokens[key].extend(piece)
             if out is not None:
                 outs.append(out)
         if len(outs) < 2:
@@ -249,6 +322,7 @@ class LlamaCppRunner:
                 raise LlamaCppError(f"llama.cpp could not remove rejected tokens from {self.model.path.name}'s cache "
                                     "(a recurrent or sliding-window model?): serve it with --backend torch")
             self._length[key] = length
+            del self._tokens[key][length:]
 
     def _decode(self, entries: list[tuple[int, int, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One ``llama_decode``: per entry (sequence, first position, tokens, how many of its last

