@@ -65,6 +65,8 @@ def test_a_bad_constraint_says_what_is_wrong(default_tokenizer):
         compile_constraint(Constraint("regex", "(unclosed"), default_tokenizer)
     with pytest.raises(GrammarError, match="non-empty strings"):
         Constraint.choice([])
+    with pytest.raises(GrammarError, match="characters long"):  # a hostile size is refused before compiling
+        Constraint("grammar", "x" * 300_000)
 
 
 def test_proposals_forced_or_cut_by_the_grammar(default_tokenizer):
