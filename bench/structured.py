@@ -1,7 +1,7 @@
 """Structured output on real JSON schemas: speculation against the target alone under the same constraint.
 
 The schemas are ones nobody here wrote, chosen before measuring (docs/engine.md lists them):
-the 24 that check-jsonschema 0.39.0 vendors from SchemaStore (``check_jsonschema/builtin_schemas/vendor``:
+the 26 that check-jsonschema 0.39.0 vendors from SchemaStore (``check_jsonschema/builtin_schemas/vendor``:
 ``pip download --no-deps check-jsonschema==0.39.0`` and unzip it, or install it), then those
 installed packages of the lock ship (jsonschema-specifications' draft 4-2020-12 metaschemas,
 setuptools' two, ray's autoscaler). A schema llguidance refuses is reported with its message,

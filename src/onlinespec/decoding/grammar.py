@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
@@ -60,6 +60,7 @@ class Constraint:
 
     kind: str
     spec: str = ""
+    source: str = field(default="", compare=False)  # the request field that asked for it (for errors; not part of its identity)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

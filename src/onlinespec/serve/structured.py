@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 from onlinespec.decoding.grammar import Constraint, GrammarError, compile_constraint
 from onlinespec.safety import shown
@@ -40,7 +41,7 @@ def constraint_of(body) -> Constraint | None:
     fmt = body.response_format or {}
     kind = fmt.get("type", "text")
     if kind == "json_object":
-        asked.append(("response_format", Constraint("json_object")))
+        asked.append(("response_format", Constraint("json_object", source="response_format")))
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
@@ -71,7 +72,9 @@ def _structured_outputs(value) -> Constraint:
     if len(given) != 1:
         raise ServeError(f"structured_outputs: give exactly one of {', '.join([*builds, 'json_object'])}", param="structured_outputs")
     key = given[0]
-    return Constraint("json_object") if key == "json_object" else _build(builds[key], value[key], f"structured_outputs.{key}")
+    if key == "json_object":
+        return Constraint("json_object", source="structured_outputs.json_object")
+    return _build(builds[key], value[key], f"structured_outputs.{key}")
 
 
 def _regex(value) -> Constraint:
@@ -88,15 +91,16 @@ def _grammar(value) -> Constraint:
 
 def _build(build, value, field: str) -> Constraint:
     try:
-        return build(value)
+        return replace(build(value), source=field)
     except GrammarError as err:
         raise ServeError(f"{field}: {err}", param=field, code="invalid_constraint") from None
 
 
-def check(constraint: Constraint | None, tokenizer, eos_token_ids, field: str = "response_format") -> None:
-    """Compile ``constraint`` now (cached for the request itself): a 400 that says what is wrong."""
+def check(constraint: Constraint | None, tokenizer, eos_token_ids) -> None:
+    """Compile ``constraint`` now (cached for the request itself): a 400 on the field that asked for it, saying what is wrong."""
     if constraint is None:
         return
+    field = constraint.source or "response_format"
     try:
         compile_constraint(constraint, tokenizer, eos_token_ids)
     except GrammarError as err:
@@ -144,7 +148,7 @@ def tool_constraint(functions: list[dict]) -> Constraint:
     """The answer is one call of one of ``functions``: ``{"name": <its name>, "arguments": <its parameters>}``."""
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    return replace(Constraint.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls}), source="tools")
 
 
 def tool_messages(messages: list[dict], functions: list[dict]) -> list[dict]:
