@@ -71,7 +71,7 @@ def test_a_bad_constraint_is_a_400_that_says_what(client, model, body, said):
 def test_required_and_named_tool_calls_validate_and_a_tool_result_continues(client, model):
     for choice, schemas in (("required", {"get_weather": WEATHER, "rate": RATING}),
                             ({"type": "function", "function": {"name": "rate"}}, {"rate": RATING})):
-        answer = chat(client, model, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60).choices[0]
+        answer = chat(client, model, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=48).choices[0]
         assert answer.finish_reason == "tool_calls" and answer.message.content is None
         call = answer.message.tool_calls[0]
         assert call.type == "function" and call.function.name in schemas
@@ -84,7 +84,7 @@ def test_required_and_named_tool_calls_validate_and_a_tool_result_continues(clie
 
 def test_streamed_tool_calls_come_as_openai_sends_them(client, model):
     stream = chat(client, model, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                  temperature=0, max_tokens=60, stream=True)
+                  temperature=0, max_tokens=48, stream=True)
     name, arguments, finish = "", "", None
     for chunk in stream:
         for choice in chunk.choices:

@@ -30,8 +30,7 @@ from onlinespec.serve.handles import ServeError
 MAX_TOOLS = 64
 # the request fields (besides OpenAI's response_format) that ask for a constraint
 STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "json_schema", "grammar")
-TOOL_SYSTEM = ("You can call the tools (functions) below. To call one, answer with nothing but a JSON object "
-               "{\"name\": <the function's name>, \"arguments\": <an object of its arguments>}. "
+TOOL_SYSTEM = ("To call one of these tools, answer with only the JSON object {\"name\": <tool name>, \"arguments\": {...}}. "
                "Tools:\n")
 
 
@@ -54,9 +53,9 @@ def constraint_of(body) -> Constraint | None:
     for field, build in zip(STRUCTURED_FIELDS, builds):
         if build is None:
             continue
-        if extra.get(field) not in (None, "", [], {}):
+        if extra.get(field) is not None:  # an empty choice or schema is a mistake to name, not "no constraint"
             asked.append((field, _build(build, extra[field], field)))
-    if extra.get("structured_outputs") not in (None, {}):
+    if extra.get("structured_outputs") is not None:
         asked.append(("structured_outputs", _structured_outputs(extra["structured_outputs"])))
     if len(asked) > 1:
         raise ServeError(f"{' and '.join(f for f, _ in asked)} each constrain the output: send one", param=asked[1][0])
@@ -153,7 +152,7 @@ def tool_constraint(functions: list[dict]) -> Constraint:
 
 def tool_messages(messages: list[dict], functions: list[dict]) -> list[dict]:
     """The conversation with the tools described in its system message (the generic format)."""
-    described = TOOL_SYSTEM + "\n".join(json.dumps(f) for f in functions)
+    described = TOOL_SYSTEM + "\n".join(json.dumps({k: v for k, v in f.items() if v != ""}, separators=(",", ":")) for f in functions)
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + described}, *messages[1:]]
     return [{"role": "system", "content": described}, *messages]
