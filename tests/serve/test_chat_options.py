@@ -1,7 +1,7 @@
 """vLLM's rendering options reach the prompt, through a real server and the real openai client:
 ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` (the server's
 template uses a variable), ``add_special_tokens``, chat's ``echo``; what is not implemented
-(structured ``response_format``, a per-request ``chat_template``) is a 400 naming the field, and
+(a per-request ``chat_template``) or malformed (a ``response_format`` of no known type) is a 400 naming the field, and
 a malformed option a 4xx, never a 200 that ignored it."""
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def test_continue_final_message_continues_it_and_echo_puts_it_first(templated, c
     ("chat", {"chat_template_kwargs": {"shout": "x" * 1001}}, 422, "chat_template_kwargs.shout"),
     ("chat", {"chat_template_kwargs": "shout"}, 422, "chat_template_kwargs"),
     ("chat", {"chat_template": "{{ messages }}"}, 400, "chat_template"),
-    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, 400, "response_format"),
+    ("completions", {"response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("completions", {"add_special_token": False}, 400, "add_special_token"),
     ("chat", {"add_generation_promt": False}, 400, "add_generation_promt"),
 ])
@@ -106,7 +106,7 @@ def test_what_is_not_served_as_asked_is_refused_naming_the_field(templated, chat
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
     if param == "response_format":
-        assert "not supported yet" in response.json()["error"]["message"]
+        assert "json_schema" in response.json()["error"]["message"]
 
 
 def test_completions_take_add_special_tokens_and_a_text_response_format(templated, chat):

@@ -47,7 +47,7 @@ def hostile_requests(model: str) -> list[tuple]:
         ("a misspelt message field", CHAT, chat(messages=[{"role": "user", "Content": "hi"}]), 400, "messages.0.Content"),
         ("repetition_penalty 0", CHAT, chat(repetition_penalty=0), 422, "repetition_penalty"),
         ("min_p above 1", CHAT, chat(min_p=1.5), 422, "min_p"),
-        ("vLLM's guided_json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+        ("vLLM's guided_json of an unknown type", CHAT, chat(guided_json={"type": "nope"}), 400, "guided_json"),
         ("a stop token id past the vocabulary", CHAT, chat(stop_token_ids=[999_999]), 400, "stop_token_ids"),
         ("a logit bias of 500", CHAT, chat(logit_bias={"1": 500}), 422, "logit_bias.1"),
         ("a logit bias keyed by text", CHAT, chat(logit_bias={"hello": 1}), 422, "logit_bias"),

@@ -45,7 +45,7 @@ def bad_requests(model: str) -> list[tuple]:
         ("17 stop strings", "POST", CHAT, chat(stop=list("abcdefghijklmnopq")), {}, 400, "stop"),
         ("presence penalty past 2", "POST", CHAT, chat(presence_penalty=5), {}, 422, "presence_penalty"),
         ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=3), {}, 400, "top_logprobs"),
-        ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+        ("a tool without a name", "POST", CHAT, chat(tools=[{"type": "function", "function": {}}]), {}, 400, "tools.0"),
         ("stream_options without stream", "POST", CHAT, chat(stream_options={"include_usage": True}), {}, 400, "stream_options"),
         ("an unknown draft", "POST", CHAT, chat(draft="nope"), {}, 404, "draft"),
         ("17 prompts", "POST", COMPLETIONS, {"model": model, "prompt": ["a"] * 17}, {}, 400, "prompt"),

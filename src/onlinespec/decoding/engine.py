@@ -162,6 +162,7 @@ class SpeculativeEngine:
             r.new_tokens = []
         tick = time.perf_counter()
         proposals = self._draft(joining + decoding, self.planner.asks(joining, decoding, self.runner.columns))
+        proposals = self._constrain(joining + decoding, proposals)
         report.draft_seconds = time.perf_counter() - tick
         report.context = self.runner.columns
         if decoding:
@@ -337,6 +338,15 @@ class SpeculativeEngine:
                 proposals[i] = proposal
         return proposals
 
+    def _constrain(self, rows: list[RequestState], proposals: list[Proposal]) -> list[Proposal]:
+        """Constrained rows propose what their grammar forces, or their draft's proposals cut
+        where the grammar forbids (:meth:`~onlinespec.decoding.grammar.GrammarState.propose`)."""
+        for i, r in enumerate(rows):
+            if r.grammar is not None and not r.finished:
+                most = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0  # the target alone proposes nothing
+                proposals[i] = r.grammar.propose(proposals[i], most, not r.params.greedy and proposals[i].probs is not None)
+        return proposals
+
     def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int]) -> list[Proposal]:
         """One proposer's call for its requests, timed for the planner; nothing if it raises
         (drafts are advice: these requests are verified without proposals this step)."""
@@ -361,7 +371,7 @@ class SpeculativeEngine:
         verdict = _verify(proposal, logits, r)
         if r.trace is not None:
             r.trace.append(self._trace(len(r.ids), proposal, logits, verdict, hidden))
-        if r.adaptive is not None and n:
+        if r.adaptive is not None and n and proposal.drafter != "grammar":  # forced tokens say nothing of the draft
             r.adaptive.update(proposal, verdict.n_accepted, r.params.greedy)
         if hidden is not None and r.proposer is not None:  # the state at the last accepted position: what the next draft step reads
             r.proposer.observe(r.draft_state, hidden[verdict.n_accepted])  # (a step's rows share hidden states; the target alone reads none)
@@ -397,6 +407,15 @@ def _verify(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdic
     if r.params.processed:  # each row with its own history: the output so far and the proposals before it
         out = r.stop.generated
         logits = apply_processors(logits, r.params, r.prompt_ids, out + proposal.tokens, len(out), r.stop.held_back)
+    if r.grammar is None:
+        return _accept(proposal, logits, r)
+    logits, taken = r.grammar.mask(logits, proposal.tokens)  # each row masked to what the grammar allows there (docs/engine.md)
+    verdict = _accept(proposal, logits, r)
+    r.grammar.advance(taken, verdict.n_accepted, verdict.next_token)
+    return verdict
+
+
+def _accept(proposal: Proposal, logits: torch.Tensor, r: RequestState) -> Verdict:
     if r.params.greedy:
         return verify_greedy(proposal.tokens, logits)
     return verify_sampling(proposal.tokens, proposal.probs, logits_to_probs(logits, r.params), r.generator)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from onlinespec.decoding.acceptance import AdaptiveK
+from onlinespec.decoding.grammar import GrammarState
 from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.sampling import SamplingParams
@@ -201,6 +202,7 @@ class RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when params.logprobs is set
     # per prompt token when params.prompt_logprobs is set (None for the first, which nothing scores)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    grammar: GrammarState | None = None  # its matcher, when params.constraint asks for structured output
 
     def __post_init__(self) -> None:
         self.ids = list(self.prompt_ids)
@@ -209,6 +211,10 @@ class RequestState:
         if not self.params.greedy:  # a private generator: never touch torch's global random state
             self.generator = torch.Generator()
             self.generator.manual_seed(self.params.seed) if self.params.seed is not None else self.generator.seed()
+        if self.params.constraint is not None and self.grammar is None:
+            if self.stop.tokenizer is None:
+                raise ValueError("a constrained request needs a tokenizer (its grammar reads the tokens' text)")
+            self.grammar = GrammarState(self.params.constraint, self.stop.tokenizer, self.stop.eos_token_ids)
         if self.proposer is not None:
             self.draft_state = self.proposer.start(self.prompt_ids)
 

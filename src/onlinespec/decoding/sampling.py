@@ -43,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS nor stop token (nor stop string) before this many new tokens
     logprobs: int | None = None  # None: none; n: each new token's log probability and the n most likely at its place
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    constraint: object | None = None  # a decoding.grammar.Constraint the output must match (structured output)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

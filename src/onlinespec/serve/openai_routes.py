@@ -23,6 +23,7 @@ from onlinespec.serve.handles import Delta, Events, NotFound, Served, ServeError
 from onlinespec.serve.interface import Core
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 from onlinespec.serve.shapes import Shape, TokenText
+from onlinespec.serve.structured import check
 from onlinespec.serve.web import Access, ServerSettings, error_response, read_body
 
 POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) client is still there
@@ -63,6 +64,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     prompts = [body.prompt()] if chat else body.prompts()
     body.choices(len(prompts))
     params = body.sampling()
+    await asyncio.to_thread(check, params.constraint, core.tokenizer, getattr(core, "eos", ()))  # a bad grammar: 400 before any work
     loop, wake = asyncio.get_running_loop(), asyncio.Event()
 
     def notify() -> None:
@@ -88,7 +90,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     role, echoed = body.reply() if chat else ("assistant", "")
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name,
                   TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n,
-                  role=role, echoed=echoed)
+                  role=role, echoed=echoed, tools=_offered(body) if chat else None)
     headers = {"X-Request-Id": request_id}
     ignored = body.ignored_fields()
     if ignored:  # unknown fields that change nothing: said, not silently dropped
@@ -98,6 +100,12 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(stream(handles, wake, shape, usage), media_type="text/event-stream", headers=headers)
     return await answer(handles, wake, shape, request, headers)
+
+
+def _offered(body: ChatRequest) -> list[dict] | None:
+    """The functions a chat answer may call (its text is then read as calls), or None."""
+    mode, functions = body.tool_mode()
+    return functions if mode != "none" else None
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -144,7 +152,7 @@ async def stream(handles: list[Events], wake: asyncio.Event, shape: Shape, usage
             wake.clear()
             for i, handle in enumerate(handles):
                 for event in drain(handle):
-                    if isinstance(event, Delta) and (event.text or event.logprobs):
+                    if isinstance(event, Delta) and (event.text or event.logprobs) and not shape.tools:  # with tools: held back (a call?)
                         yield sse(shape.chunk(i, text=event.text, logprobs=event.logprobs, offset=offsets[i]))
                         offsets[i] += sum(len(shape.words.text(x.token)) for x in event.logprobs or ())
                     elif isinstance(event, ServeError):
@@ -153,7 +161,8 @@ async def stream(handles: list[Events], wake: asyncio.Event, shape: Shape, usage
                         return
                     elif isinstance(event, Served):
                         served[i] = event
-                        yield sse(shape.chunk(i, finish=event))
+                        for chunk in shape.finish_chunks(i, event):
+                            yield sse(chunk)
             if all(s is not None for s in served):
                 if usage:
                     yield sse(shape.usage_chunk(served))

@@ -15,8 +15,9 @@ a 400 unless at their neutral value.
 How a prompt is rendered (vLLM's ``add_generation_prompt``, ``continue_final_message``,
 ``add_special_tokens``, ``chat_template_kwargs``): :mod:`onlinespec.serve.prompts`. Chat's ``echo``
 puts the last message's content before the answer when the answer continues that message's
-role (as vLLM). ``response_format`` other than ``{"type": "text"}`` (structured output) is a 400,
-not yet supported.
+role (as vLLM). Structured output (``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``, llama-server's ``grammar`` / ``json_schema``) and tool calls (``tools``,
+``tool_choice``, ``role: "tool"`` messages): :mod:`onlinespec.serve.structured`.
 
 Unknown fields: a near miss of a known one (``"Train": false``, ``"max_token"``) is a 400 that
 names the field meant, so a misspelt opt-out is never trained on; any other unknown field is
@@ -34,6 +35,7 @@ from onlinespec.decoding.sampling import MAX_LOGPROBS, SamplingParams
 from onlinespec.safety import near_miss, shown
 from onlinespec.serve.handles import ServeError, Unprocessable
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options
+from onlinespec.serve.structured import STRUCTURED_FIELDS, call_text, chosen_tools, constraint_of, tool_constraint, tool_functions, tool_messages
 
 MAX_STOP = 16  # stop sequences per request (OpenAI allows 4, vLLM any number; lm-eval tasks send up to 6 or so)
 MAX_STOP_CHARS = 1000  # characters per stop sequence
@@ -46,8 +48,7 @@ DEFAULT_TEMPERATURE = 1.0  # a request without temperature samples, as OpenAI an
 VLLM_EXTRAS: dict[str, object] = {
     "length_penalty": 1.0, "use_beam_search": False, "bad_words": None, "allowed_token_ids": None,
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "structured_outputs": None, "logits_processors": None, "functions": None, "function_call": None,
+    "truncate_prompt_tokens": None, "logits_processors": None, "functions": None, "function_call": None,
     "chat_template": None, "documents": None,
 }
 TokenId = Annotated[int, Field(ge=0)]
@@ -93,22 +94,18 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     prompt_logprobs: Logprobs | None = None  # vLLM's: every prompt token's log probability (and the top n)
-    response_format: dict | None = None  # {"type": "text"} alone: structured output is not supported yet
+    response_format: dict | None = None  # text, json_object or json_schema (onlinespec.serve.structured)
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields this request sent that change nothing (after :func:`parse`'s checks)."""
-        return sorted(key for key in self.model_extra or {} if key not in VLLM_EXTRAS)
+        return sorted(key for key in self.model_extra or {} if key not in VLLM_EXTRAS and key not in STRUCTURED_FIELDS)
 
     def check_extras(self) -> None:
-        """400 on a near miss of a known field, on a vLLM extra set to change the output, or on
-        a ``response_format`` asking for structured output."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ServeError(f"response_format {shown(kind)} is not supported yet: structured output (json_object, json_schema) "
-                             "is not implemented by this server; leave response_format out or send {\"type\": \"text\"}",
-                             param="response_format", code="unsupported_parameter")
-        known = [*type(self).model_fields, *VLLM_EXTRAS]
+        """400 on a near miss of a known field, or on a vLLM extra set to change the output."""
+        known = [*type(self).model_fields, *VLLM_EXTRAS, *STRUCTURED_FIELDS]
         for key, value in (self.model_extra or {}).items():
+            if key in STRUCTURED_FIELDS:
+                continue
             if key in VLLM_EXTRAS:
                 if not _neutral(value, VLLM_EXTRAS[key]):
                     raise ServeError(f"{key} = {shown(value)} is not supported by this server: it would change the output; "
@@ -141,7 +138,11 @@ class _Common(BaseModel):
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias.items()),
                               stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
-                              logprobs=self.logprob_count(), prompt_logprobs=self.prompt_logprob_count())
+                              logprobs=self.logprob_count(), prompt_logprobs=self.prompt_logprob_count(), constraint=self.constraint())
+
+    def constraint(self):
+        """The grammar the output must match (:func:`~onlinespec.serve.structured.constraint_of`), or None."""
+        return constraint_of(self)
 
     def logprob_count(self) -> int | None:
         """How many alternatives each new token's log probability comes with (None: no log probabilities)."""
@@ -166,12 +167,16 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (written back in the generic format)
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def as_dict(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
+        if self.tool_calls:
+            content = ((content or "") + "\n" + call_text(self.tool_calls)).strip()
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
@@ -206,9 +211,10 @@ class ChatRequest(_Common):
 
     def prompt(self) -> ChatPrompt:
         """The messages, with how to render them (:mod:`onlinespec.serve.prompts`)."""
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ServeError("tools are not supported by this server", param="tools")
         messages = [m.as_dict() for m in self.messages]
+        mode, functions = self.tool_mode()
+        if mode != "none":
+            messages = tool_messages(messages, functions)
         check_chat_options(messages, self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
         if messages[-1]["role"] == "assistant" and self.add_generation_prompt:
             raise ServeError("the last message is the assistant's: end with a user (or system) message, or send "
@@ -217,6 +223,20 @@ class ChatRequest(_Common):
             raise ServeError("every message is empty: give the model something to answer", param="messages")
         return ChatPrompt(messages, self.add_generation_prompt, self.continue_final_message, self.add_special_tokens,
                           self.chat_template_kwargs)
+
+    def tool_mode(self) -> tuple[str, list[dict]]:
+        """(``none`` | ``auto`` | ``required``, the functions the answer may call): :mod:`onlinespec.serve.structured`."""
+        return chosen_tools(tool_functions(self.tools), self.tool_choice)
+
+    def constraint(self):
+        """A required (or named) tool call constrains the answer to a call; otherwise as any request."""
+        mode, functions = self.tool_mode()
+        if mode != "required":
+            return constraint_of(self)
+        if constraint_of(self) is not None:
+            raise ServeError("tool_choice required (or a named function) already constrains the output: drop the other constraint",
+                             param="tool_choice")
+        return tool_constraint(functions)
 
     def reply(self) -> tuple[str, str]:
         """The answer's role and what comes before its text: vLLM's role is the assistant's, or

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.serve.handles import Served
+from onlinespec.serve.structured import parse_tool_calls
 
 
 class TokenText:
@@ -61,6 +62,7 @@ class Shape:
     n: int = 1  # choices per prompt (they come prompt by prompt)
     role: str = "assistant"  # chat: the answer's role (vLLM's: the last message's without add_generation_prompt)
     echoed: str = ""  # chat: what comes before each choice's text (vLLM's echo: the last message's content)
+    tools: list[dict] | None = None  # chat with tools the answer may call: its text is read as calls (onlinespec.serve.structured)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -72,7 +74,11 @@ class Shape:
 
     def _choice(self, index: int, served: Served) -> dict:
         choice = {"index": index, "finish_reason": served.finish_reason, "logprobs": None}
-        if self.chat:
+        calls = self.tool_calls(served)
+        if calls:
+            choice["message"] = {"role": self.role, "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["message"] = {"role": self.role, "content": self.echoed + served.text}
             if served.logprobs is not None:
                 choice["logprobs"] = {"content": self.chat_logprobs(served.logprobs)}
@@ -101,6 +107,33 @@ class Shape:
         if finish is not None:
             out["metrics"] = finish.metrics()
         return out
+
+    def tool_calls(self, served: Served) -> list[dict] | None:
+        """The calls a finished answer makes, when tools were offered and it ended by itself."""
+        if not self.chat or not self.tools or served.finish_reason != "stop":
+            return None
+        return parse_tool_calls(served.text, self.tools)
+
+    def finish_chunks(self, index: int, served: Served) -> list[dict]:
+        """A stream's last chunks of a choice. With tools, its text was held back (it may be a
+        call): the calls as OpenAI streams them (a delta naming each, then its arguments), or
+        the text; then the finish reason."""
+        if not self.tools:
+            return [self.chunk(index, finish=served)]
+        calls = self.tool_calls(served)
+        if not calls:
+            return [self.chunk(index, text=served.text), self.chunk(index, finish=served)] if served.text else [self.chunk(index, finish=served)]
+        chunks = []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+            chunks.append(self._delta(index, {"tool_calls": [head]}))
+            chunks.append(self._delta(index, {"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]}))
+        last = self.chunk(index, finish=served)
+        last["choices"][0]["finish_reason"] = "tool_calls"
+        return [*chunks, last]
+
+    def _delta(self, index: int, delta: dict) -> dict:
+        return {**self._head(True), "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
 
     def usage_chunk(self, served: list[Served]) -> dict:
         return {**self._head(True), "choices": [], "usage": usage(served, self.n)}

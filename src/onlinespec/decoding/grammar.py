@@ -1,0 +1,193 @@
+"""Constrained decoding: a grammar masks the target's distribution, and speculation stays lossless.
+
+A request's :class:`Constraint` (a JSON schema, any JSON object, a regular expression, a choice
+of strings, or a Lark / GBNF grammar) compiles once, with llguidance (docs/engine.md says why
+that engine), into a matcher that each constrained request copies (:class:`GrammarState`).
+
+How it meets speculation (arXiv 2310.07177, background; docs/engine.md):
+
+- **before verification** (:meth:`GrammarState.propose`): where the grammar forces the next
+  tokens (one allowed continuation: ``{"name": "`` after ``{`` in a schema), those tokens are the
+  round's proposals, free of any draft call (SGLang's jump-forward); otherwise the draft's
+  proposals are cut at the first one the grammar forbids. A sampled draft's forbidden token is
+  kept (its probability under the masked target is 0, so it is rejected with certainty and the
+  correction is drawn from ``norm(max(0, p - q))``, as the exact rejection sampler requires);
+- **at verification** (:meth:`GrammarState.mask`): the matcher advances along the proposals and
+  row ``i`` of the target's logits is masked to what the grammar allows after the first ``i``;
+  the verifier then accepts against the masked target, greedy or sampled, exactly as without a
+  grammar. :meth:`GrammarState.advance` rolls the matcher back to the accepted prefix and takes
+  the round's correction or bonus token.
+
+So greedy output is the target's own under the same constraint, token for token, and sampled
+output follows the target's distribution renormalised over the allowed tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from onlinespec.decoding.proposal import Proposal
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar longer than this is refused before compiling
+MAX_CHOICES = 1000  # strings in a choice constraint
+MAX_CACHED = 64  # compiled grammars kept (least recently used dropped first)
+# llguidance's own bounds on work: building the lexer and each mask step (a hostile grammar fails
+# with an error instead of holding the engine thread)
+LIMITS = {"max_grammar_size": 200_000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+          "max_lexer_states": 100_000, "max_items_in_row": 2000}
+# compact JSON (no free whitespace: a small model may otherwise loop on spaces); keywords llguidance
+# does not enforce are ignored (listed in docs/engine.md) instead of refusing the schema
+JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True, "coerce_one_of": True}
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile: the message says what is wrong (a 400 at the server)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. ``kind``: one of :data:`KINDS`; ``spec``: the schema (JSON
+    text), the regex, the choices (a JSON list of strings) or the grammar's text."""
+
+    kind: str
+    spec: str = ""
+    source: str = field(default="", compare=False)  # the request field that asked for it (for errors; not part of its identity)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"constraint kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(self.spec)} characters long: at most {MAX_SPEC_CHARS}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise GrammarError(f"the JSON schema is not valid JSON: {err}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema))  # key order kept: the output follows the properties in order
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> Constraint:
+        if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError(f"a choice is a list of 1 to {MAX_CHOICES} non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    def grammar(self) -> str:
+        """The llguidance grammar this constraint stands for."""
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)
+            if self.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(self.spec)
+            if self.kind == "choice":
+                return llguidance.grammar_from("choice", self.spec)
+            return llguidance.grammar_from("grammar", self.spec)  # Lark, or llama.cpp's GBNF (converted)
+        except (ValueError, TypeError) as err:
+            raise GrammarError(f"the {self.kind} does not compile: {err}") from None
+
+
+_lock = threading.Lock()
+_tokenizers: dict[tuple[int, tuple[int, ...]], tuple[object, llguidance.LLTokenizer]] = {}
+_compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+
+
+def ll_tokenizer(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
+    """llguidance's view of a transformers tokenizer (about a second to build: built once)."""
+    eos = tuple(sorted(eos_token_ids)) or (tokenizer.eos_token_id,)
+    key = (id(tokenizer), eos)
+    with _lock:
+        held = _tokenizers.get(key)
+        if held is None or held[0] is not tokenizer:
+            held = _tokenizers[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=list(eos)))
+        return held[1]
+
+
+def compile_constraint(constraint: Constraint, tokenizer, eos_token_ids=()) -> llguidance.LLMatcher:
+    """A fresh matcher for ``constraint`` (a copy of the cached compiled one); :class:`GrammarError`
+    naming what is wrong when it does not compile or passes :data:`LIMITS`."""
+    lltok = ll_tokenizer(tokenizer, eos_token_ids)
+    key = (id(lltok), constraint)
+    with _lock:
+        matcher = _compiled.get(key)
+        if matcher is not None:
+            _compiled.move_to_end(key)
+            return matcher.deep_copy()
+    matcher = llguidance.LLMatcher(lltok, constraint.grammar(), log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+    if matcher.is_error():
+        raise GrammarError(f"the {constraint.kind} does not compile: {matcher.get_error()}")
+    with _lock:
+        _compiled[key] = matcher
+        while len(_compiled) > MAX_CACHED:
+            _compiled.popitem(last=False)
+    return matcher.deep_copy()
+
+
+class GrammarState:
+    """One request's matcher, kept at the end of its output between rounds."""
+
+    def __init__(self, constraint: Constraint, tokenizer, eos_token_ids=()) -> None:
+        self.constraint = constraint
+        self.matcher = compile_constraint(constraint, tokenizer, eos_token_ids)
+        self.vocab = ll_tokenizer(tokenizer, eos_token_ids).vocab_size
+        self.forced = 0  # tokens proposed because the grammar forced them (jump-forward)
+        self.cut = 0  # draft proposals cut because the grammar forbids them
+
+    def propose(self, proposal: Proposal, most: int, keep_forbidden: bool) -> Proposal:
+        """The round's proposals: the tokens the grammar forces (at most ``most``), else the
+        draft's cut at the first forbidden one (kept, last, when ``keep_forbidden``: a sampled
+        draft's, see the module docstring)."""
+        if most > 0:
+            forced = self.matcher.compute_ff_tokens()[:most]
+            if forced:
+                self.forced += len(forced)
+                return Proposal(forced, confidences=[1.0] * len(forced), drafter="grammar")
+        valid = self.matcher.validate_tokens(proposal.tokens)
+        if valid == len(proposal):
+            return proposal
+        self.cut += len(proposal) - valid - keep_forbidden
+        keep = valid + keep_forbidden
+        return Proposal(proposal.tokens[:keep], proposal.probs[:keep] if proposal.probs is not None else None,
+                        proposal.forward_seconds, proposal.confidences[:keep] if proposal.confidences is not None else None,
+                        proposal.drafter)
+
+    def mask(self, logits: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """``logits`` ``[n + 1, V]`` with row ``i`` masked to what the grammar allows after the
+        first ``i`` of ``tokens``; the matcher is left after the tokens it took (returned: their
+        count; a forbidden one stops it, and rows after it stay unmasked: never used)."""
+        rows = len(tokens) + 1
+        bits = torch.full((rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)
+        taken = self.matcher.validate_tokens(tokens)  # a forbidden token is never consumed (it would break the matcher)
+        for i in range(taken + 1):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, i)
+            if self.matcher.is_error():
+                raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
+            if i < taken:
+                self.matcher.consume_token(tokens[i])
+        allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(rows, -1)
+        width = logits.shape[-1]
+        allowed = allowed[:, :width] if allowed.shape[1] >= width else torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
+        if not allowed[: taken + 1].any(-1).all():
+            raise RuntimeError("the grammar allows no token here (a grammar that cannot end, or no EOS allowed)")
+        return logits.float().masked_fill(~allowed, float("-inf")), taken
+
+    def advance(self, taken: int, accepted: int, next_token: int) -> None:
+        """After the verdict: back to the accepted prefix of the ``taken`` proposals, then the round's own token."""
+        if taken > accepted:
+            self.matcher.rollback(taken - accepted)
+        if not self.matcher.consume_token(next_token):
+            raise RuntimeError(f"the grammar refused token {next_token} it allowed: {self.matcher.get_error()}")
