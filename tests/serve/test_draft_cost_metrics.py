@@ -2,11 +2,9 @@
 alone), per drafter on /metrics: what an operator reads to see whether a draft is cheap enough
 to pay (docs/cpu-speculation.md)."""
 
-from types import SimpleNamespace
-
 from prometheus_client.parser import text_string_to_metric_families
 
-from onlinespec.decoding.request import RoundTiming
+from onlinespec.decoding.request import RequestStats, RoundTiming
 from onlinespec.serve.metrics import ServeMetrics
 
 
@@ -22,7 +20,7 @@ def test_draft_cost_per_drafter_is_seconds_per_drafted_token_over_a_target_step(
                RoundTiming(2, 0.002, 0.030, 2, "head"),  # a batch of 2 shares the call: 0.5 ms per token
                RoundTiming(3, 0.0003, 0.030, 1, "ngram"),  # 0.1 ms per token
                RoundTiming(0, 0.0, 0.010, 1, "")]  # nothing proposed
-    stats = SimpleNamespace(new_tokens=9, prompt_tokens=3, finish_reason="length", seconds=0.2, queued_seconds=0.0,
+    stats = RequestStats(new_tokens=9, prompt_tokens=3, finish_reason="length", seconds=0.2, queued_seconds=0.0,
                             first_token_seconds=0.05, timings=timings)
     figures = {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 6, "num_accepted_tokens_per_pos": [3, 2, 1]}
     metrics.request("d", "v0001", "code", stats, figures)

@@ -1,14 +1,13 @@
 """/metrics stays bounded while a draft publishes version after version: the spec-decode series
 of a draft's older versions go (a soak published dozens in 30 minutes)."""
 
-from types import SimpleNamespace
-
+from onlinespec.decoding.request import RequestStats
 from onlinespec.serve.metrics import KEEP_VERSIONS, ServeMetrics
 
 
 def test_spec_decode_series_of_old_versions_leave_metrics():
     metrics = ServeMetrics()
-    stats = SimpleNamespace(new_tokens=5, prompt_tokens=3, finish_reason="length", seconds=0.1, queued_seconds=0.0,
+    stats = RequestStats(new_tokens=5, prompt_tokens=3, finish_reason="length", seconds=0.1, queued_seconds=0.0,
                             first_token_seconds=0.01, timings=[])
     figures = {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1]}
     sizes = []
