@@ -3,6 +3,7 @@ result file, and the clear errors when a server cannot start. No model is loaded
 
 import importlib.util
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def test_write_result_adds_command_machine_and_date(harness, tmp_path):
     for field in ("cpu_model", "cpu_count", "ram_gib", "python", "torch", "llama_cpp_python", "git_commit", "date"):
         assert field in record["machine"]
     default = json.loads(harness.write_result(tmp_path / "d.json", {}).read_text())
-    assert default["command"].split()[1:] == sys.argv
+    assert shlex.split(default["command"]) == ["python", *sys.argv]
     kept = json.loads(harness.write_result(tmp_path / "k.json", {"command": "python earlier.py", "machine": {"cpu_model": "x"}}).read_text())
     assert kept["command"] == "python earlier.py" and kept["machine"] == {"cpu_model": "x"}
 
@@ -44,6 +45,19 @@ def test_a_missing_llama_server_binary_says_how_to_build_one(harness, tmp_path, 
     monkeypatch.setenv(harness.LLAMA_SERVER_ENV, str(tmp_path / "nowhere" / "llama-server"))
     with pytest.raises(FileNotFoundError, match="make llama-server"):
         harness.serve_llama_server(tmp_path / "model.gguf").__enter__()
+
+
+def test_llama_server_gets_parallel_slots_of_the_context_asked(harness, tmp_path, monkeypatch):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv(harness.LLAMA_SERVER_ENV, str(binary))
+    command = harness.llama_server_command("m.gguf", 8123, parallel=4, ctx_size=2048, threads=2)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert command[0] == str(binary)
+    assert flags["-m"] == "m.gguf" and flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
+    assert flags["--parallel"] == "4" and flags["-c"] == str(4 * 2048) and flags["-t"] == flags["-tb"] == "2"
+    assert "--cont-batching" in command and "--no-webui" in command
 
 
 def test_a_server_that_exits_fails_with_its_log_tail(harness, tmp_path):
