@@ -45,16 +45,16 @@ from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
 from onlinespec.decoding.request import RequestState
 from onlinespec.decoding.sampling import SamplingParams
-from onlinespec.decoding.scheduler import Scheduler
+from onlinespec.decoding.scheduler import FairScheduler
 from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.factory import FRESH, engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
-from onlinespec.serve.admission import Domains, admit_budget, encode, named_draft, queue_full
+from onlinespec.serve.admission import Domains, admit_budget, check_room, encode, named_draft
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
+from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, Overloaded, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
 from onlinespec.serve.metrics import ServeMetrics, batch_state
 from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
@@ -173,7 +173,7 @@ class ServingCore:
         self.context = self.engine.context
         if config.max_model_len is not None and self.context < config.max_model_len:
             raise ValueError(f"--max-model-len {config.max_model_len} is past this model's context of {self.context} tokens: give at most that")
-        self.scheduler = Scheduler(self.engine, config.max_batch)
+        self.scheduler = FairScheduler(self.engine, config.max_batch, config.tenant_max_running, config.tenant_weights)  # issue 46
         learning = config.learning
         content = config.router == "content" and learning and config.head_updates
         router = Router(config.router if learning and (content or config.router != "content") else "single", config.max_drafts,
@@ -250,7 +250,7 @@ class ServingCore:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "") -> Handle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", priority: int = 0) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
         ``params.max_new_tokens`` is the request's budget (its ``max_tokens``): checked against
@@ -263,33 +263,43 @@ class ServingCore:
         handle gets the new text after every step (decoding it costs the engine thread time,
         so only streams ask for it). ``tenant``: who sent it (the API key's or a header's name,
         :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
-        only, unless the server shares the index (``CoreConfig.shared_suffix``).
+        only, unless the server shares the index (``CoreConfig.shared_suffix``). The scheduler
+        shares the batch between tenants, and between requests (the choices sent under one
+        ``request_id``) within one, ``priority`` first (:mod:`onlinespec.decoding.scheduler`).
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
-        domain = self._domains.admit(domain, tenant)
         vocab = min(self.engine.runner.vocab_size, len(self.tokenizer))
         ids = encode(self.tokenizer, vocab, prompt)
         params = params or SamplingParams(max_new_tokens=None)
         budget = admit_budget(self.engine, params, len(ids), self.config.default_max_tokens, vocab)
+        # issue 46 (fair share): the queue's room first, the domain's slot only for a request that passed every check
+        request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
+        self._room(tenant, request_id)
+        domain = self._domains.admit(domain, tenant)
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
-            if len(self.scheduler.waiting) >= self.config.max_waiting:
-                self.metrics.failures.labels("queue_full").inc()
-                raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
+            self._room(tenant, request_id)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer, max_new_tokens=budget), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
-            request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
-            self.scheduler.submit(state)
+            self.scheduler.submit(state, tenant=tenant, group=request_id, priority=priority)  # issue 46: fair share
         self._notify_engine()
         return handle
+
+    def _room(self, tenant: str, request_id: str) -> None:
+        """Issue 46: 429 when the queue (``--max-waiting`` requests) or the tenant's queued tokens are full."""
+        try:
+            check_room(self.scheduler, self.config, tenant, request_id, self.recorder.recent_seconds)
+        except Overloaded:
+            self.metrics.failures.labels("queue_full").inc()
+            raise
 
     def _on_engine(self, fn: Callable):
         """Run ``fn`` on the engine thread between two steps and return its result (model work:

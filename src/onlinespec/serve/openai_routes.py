@@ -56,7 +56,7 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     if len(request_id) > 128 or not request_id.isprintable():
         raise ServeError("X-Request-Id: give at most 128 printable characters", param="X-Request-Id", code="invalid_request_id")
-    body = parse(await read_body(request, settings.max_body_bytes), ChatRequest if chat else CompletionRequest)
+    body = parse(await read_body(request, settings.max_body_bytes, settings.body_timeout), ChatRequest if chat else CompletionRequest)
     if body.model not in settings.names:
         raise NotFound(f"model {shown(body.model)} is not served here: use {' or '.join(map(repr, settings.names))} (GET /v1/models)",
                        param="model", code="model_not_found")
@@ -79,7 +79,8 @@ async def complete(core: ServingCore, settings: ServerSettings, access: Access, 
                 # event-log lines): a purge of that id reaches them all
                 handles.append(await asyncio.to_thread(
                     core.submit, prompt, params=choice_params(params, j), domain=body.domain or "default", train=body.train and j == 0,
-                    draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant))
+                    draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant,
+                    priority=body.priority))
     except BaseException:
         for handle in handles:
             handle.cancel()
@@ -116,8 +117,8 @@ async def answer(handles: list[Events], wake: asyncio.Event, shape: Shape, reque
                         return error_response(event, headers["X-Request-Id"])
                     if isinstance(event, Served):
                         served[i] = event
-            if all(s is not None for s in served):
-                return JSONResponse(shape.response(served), headers=headers)
+            if all(s is not None for s in served):  # built and serialised off the event loop: log probabilities can be large
+                return await asyncio.to_thread(lambda: JSONResponse(shape.response(served), headers=headers))
             try:
                 await asyncio.wait_for(wake.wait(), POLL_DISCONNECT)
             except asyncio.TimeoutError:
@@ -151,8 +152,8 @@ async def stream(handles: list[Events], wake: asyncio.Event, shape: Shape, usage
                         yield "data: [DONE]\n\n"
                         return
                     elif isinstance(event, Served):
-                        served[i] = event
-                        yield sse(shape.chunk(i, finish=event))
+                        served[i] = event  # its last chunk carries its prompt's log probabilities: built off the event loop
+                        yield await asyncio.to_thread(lambda i=i, event=event: sse(shape.chunk(i, finish=event)))
             if all(s is not None for s in served):
                 if usage:
                     yield sse(shape.usage_chunk(served))
