@@ -30,7 +30,6 @@ class FakeEngine:
             r.new_tokens = r.stop.clip([7])
             r.ids.extend(r.new_tokens)
             r.prefilled = len(r.ids)
-        return None
 
     def recompute(self, active):
         for r in active:

@@ -12,7 +12,6 @@ import pytest
 
 import onlinespec
 
-
 # Where a write can be cut: a record (before its temp file, after it, after the rename), a
 # publish (after the weights, after the folder is complete, after its rename, after CURRENT),
 # serving (after an engine step, after the records but before the answer went out).

@@ -16,7 +16,6 @@ import pytest
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.serve.admission import MAX_PROMPT_LOGPROB_ENTRIES, admit_budget
 from onlinespec.serve.handles import ServeError
-
 from tests.serve.conftest import ADMIN, start_server
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
