@@ -145,4 +145,4 @@ def test_queue_counts_requests_and_queued_tokens_per_tenant():
         scheduler.submit(request(10, prompt=6), tenant="B", group="one")
     scheduler.submit(request(10, prompt=6), tenant="A", group="two")
     assert scheduler.waiting_groups() == {"one", "two"}
-    assert scheduler.queued_tokens("B") == 4 * 16 and scheduler.knows_group("one") and not scheduler.knows_group("three")
+    assert scheduler.queued_tokens("B") == 4 * 16 and scheduler.group_size("one") == 4 and scheduler.group_size("three") == 0

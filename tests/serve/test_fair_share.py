@@ -129,3 +129,12 @@ def test_prompt_log_probabilities_past_the_cap_are_a_400_naming_the_field():
     assert refused.value.status == 400 and refused.value.param == "prompt_logprobs"
     assert str(MAX_PROMPT_LOGPROB_ENTRIES) in refused.value.message
     assert admit_budget(_Budget(), SamplingParams(max_new_tokens=4, prompt_logprobs=5), 4096, None, 50_000) == 4
+
+
+def test_tenant_weights_parse_and_name_a_malformed_entry():
+    from onlinespec.serve.config import tenant_weights
+
+    assert tenant_weights(["team-a=2", " team-b = 0.5 "]) == {"team-a": 2.0, "team-b": 0.5}
+    for bad in ("team-a", "team-a=0", "=2", "team-a=x"):
+        with pytest.raises(ValueError, match="--tenant-weight"):
+            tenant_weights([bad])

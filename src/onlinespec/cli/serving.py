@@ -24,7 +24,7 @@ from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.safety import command_line, private_files
-from onlinespec.serve.config import CoreConfig, model_name
+from onlinespec.serve.config import CoreConfig, model_name, tenant_weights
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
 
@@ -85,12 +85,9 @@ CORE_OPTIONS: dict[str, tuple] = {
     "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
     "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
-    "default_max_tokens": (Annotated[int, typer.Option(min=0, help="new tokens of a request that names no max_tokens, within the context left "
-                                                           "(0: all the context left, as vLLM; docs/serve.md, 'Scheduling')")], CoreConfig.default_max_tokens),
-    "tenant_max_running": (Annotated[int | None, typer.Option(min=1, help="the most batch slots (running choices) one tenant holds (default: --max-batch; "
-                                                                   "its fair share whenever another tenant has work waiting)")], CoreConfig.tenant_max_running),
-    "tenant_max_queued_tokens": (Annotated[int, typer.Option(min=0, help="tokens (prompts + max_tokens left) one tenant's waiting choices may hold; "
-                                                                 "its new requests past this get 429 (0: no cap)")], CoreConfig.tenant_max_queued_tokens),
+    "default_max_tokens": (Annotated[int, typer.Option(min=0, help="new tokens of a request that names no max_tokens, within the context left (0: all the context left, as vLLM; docs/serve.md, 'Scheduling')")], CoreConfig.default_max_tokens),
+    "tenant_max_running": (Annotated[int | None, typer.Option(min=1, help="the most batch slots (running choices) one tenant holds (default: --max-batch; its fair share whenever another tenant has work waiting)")], CoreConfig.tenant_max_running),
+    "tenant_max_queued_tokens": (Annotated[int, typer.Option(min=0, help="tokens (prompts + max_tokens left) one tenant's waiting choices may hold; its new requests past this get 429 (0: no cap)")], CoreConfig.tenant_max_queued_tokens),
     "tenant_weight": (Annotated[list[str] | None, typer.Option(help="TENANT=WEIGHT: the tenant's weight in the fair share of the batch (default 1); repeat it")], None),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
@@ -113,23 +110,9 @@ def _core_config(o: dict) -> CoreConfig:
                                          "retention_days", "max_buffer_bytes", "suffix_tokens")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
-    fair = {"default_max_tokens": o["default_max_tokens"] or None, "tenant_max_running": o["tenant_max_running"],
-            "tenant_max_queued_tokens": o["tenant_max_queued_tokens"] or None, "tenant_weights": tenant_weights(o["tenant_weight"] or [])}
+    fair = {"default_max_tokens": o["default_max_tokens"] or None, "tenant_max_queued_tokens": o["tenant_max_queued_tokens"] or None,
+            "tenant_max_running": o["tenant_max_running"], "tenant_weights": tenant_weights(o["tenant_weight"] or ())}  # issue 46: 0 is "no cap"
     return CoreConfig(**plain, **fair, learner=learner, content=content, learn_share=o["learn_share"] or None)
-
-
-def tenant_weights(entries: list[str]) -> dict[str, float]:
-    """``--tenant-weight TENANT=WEIGHT`` entries as a dict; a ValueError names a malformed one."""
-    weights = {}
-    for entry in entries:
-        name, _, value = entry.partition("=")
-        try:
-            weights[name.strip()] = float(value)
-        except ValueError:
-            raise ValueError(f"--tenant-weight {entry!r}: give TENANT=WEIGHT, e.g. team-a=2") from None
-        if not name.strip() or not weights[name.strip()] > 0:
-            raise ValueError(f"--tenant-weight {entry!r}: give a tenant name and a weight > 0")
-    return weights
 
 
 def with_core_options(command):

@@ -118,9 +118,10 @@ class FairScheduler:
             return sum(len(r.ids) + max(r.stop.remaining, 0) for r in self.waiting
                        if id(r) in self._entries and self._entries[id(r)].tenant == tenant)
 
-    def knows_group(self, group: object) -> bool:
+    def group_size(self, group: object) -> int:
+        """The choices of ``group`` (one request) still queued or running."""
         with self._lock:
-            return group in self.group_served
+            return sum(e.group == group for e in self._entries.values())
 
     # ---- one step (the engine thread) --------------------------------------------------------
 
@@ -208,10 +209,10 @@ class FairScheduler:
         (more slots than its share rounded up); else, when shares round to nothing (more tenants
         than slots), one that ran ``quantum`` new tokens since it was admitted, of a tenant charged
         ``quantum`` more than ``starved`` (a time slice). Of a tenant's, its request's with the most
-        tokens served, the one admitted last. A choice scoring its prompt is never preempted
-        (prompt log probabilities are scored once, as the prompt prefills)."""
+        tokens served, the one admitted last. A choice scoring its prompt, or whose prompt the
+        content router embeds, is never preempted (both are taken once, as the prompt prefills)."""
         holding, shares = self._holding(), self._shares()
-        movable = [r for r in self.running if r.params.prompt_logprobs is None]
+        movable = [r for r in self.running if r.params.prompt_logprobs is None and not r.embed]
         over = [t for t in holding if t != starved and holding[t] > max(int(shares[t] + 0.999), 1)]
         if over:
             tenant = max(over, key=lambda t: (holding[t] - shares[t], t))

@@ -16,8 +16,8 @@ from onlinespec.safety import check_label, shown
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, Overloaded, ServeError
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, render
+from onlinespec.serve.protocol import MAX_CHOICES
 from onlinespec.tokens import Prompt, encode_prompt
-
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 15  # a choice's prompt log probabilities: prompt tokens x (1 + alternatives) (docs/serve.md)
 
@@ -115,13 +115,25 @@ def queue_full(waiting: int, config: CoreConfig, recent_seconds: float) -> Overl
     return Overloaded(f"{waiting} requests are waiting (the limit is {config.max_waiting}): retry in {retry} s", retry)
 
 
-def check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, request_id: str, recent_seconds: float) -> None:
+def check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, group: object, recent_seconds: float, failures=None) -> None:
     """429 (:class:`Overloaded`) for a new request when ``--max-waiting`` requests (HTTP requests,
     whatever their choices) already wait for a slot, or when its tenant's waiting choices already
     hold ``--tenant-max-queued-tokens`` tokens (their text and the new tokens left in their
-    budgets). A request's later choices join its first: a request once accepted is never cut."""
-    if scheduler.knows_group(request_id):
+    budgets). A request's later choices join its first: a request once accepted is never cut
+    (``group``: the tenant and request id its choices share; a reused id joins at most
+    :data:`~onlinespec.serve.protocol.MAX_CHOICES` choices unchecked). ``failures``: the
+    ``request_failure_total`` counter a refusal counts on (reason ``queue_full``)."""
+    if 0 < scheduler.group_size(group) < MAX_CHOICES:
         return
+    try:
+        _check_room(scheduler, config, tenant, recent_seconds)
+    except Overloaded:
+        if failures is not None:
+            failures.labels("queue_full").inc()
+        raise
+
+
+def _check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, recent_seconds: float) -> None:
     waiting = len(scheduler.waiting_groups())
     if waiting >= config.max_waiting:
         raise queue_full(waiting, config, recent_seconds)

@@ -110,3 +110,17 @@ class CoreConfig:
 def model_name(target: str) -> str:
     """The name a server answers to by default: 'default' for the packaged target, else the folder or file name."""
     return "default" if target == "default" else Path(target).stem or target
+
+
+def tenant_weights(entries) -> dict[str, float]:
+    """``--tenant-weight TENANT=WEIGHT`` entries as a dict; a ValueError names a malformed one."""
+    weights = {}
+    for entry in entries:
+        name, _, value = (part.strip() for part in entry.partition("="))
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--tenant-weight {entry!r}: give TENANT=WEIGHT, e.g. team-a=2") from None
+        if not name or not weights[name] > 0:
+            raise ValueError(f"--tenant-weight {entry!r}: give a tenant name and a weight > 0")
+    return weights

@@ -54,7 +54,7 @@ from onlinespec.online.pool import Draft, DraftPool, saved_drafts
 from onlinespec.routing.domains import Router
 from onlinespec.serve.admission import Domains, admit_budget, check_room, encode, named_draft
 from onlinespec.serve.config import CoreConfig
-from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, Overloaded, ServeError, Timeout, Unavailable
+from onlinespec.serve.handles import STATIC, TARGET_ALONE, Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
 from onlinespec.serve.learning import LearningShare
 from onlinespec.serve.metrics import ServeMetrics, batch_state
 from onlinespec.serve.operations import draft_rows, housekeep, operate, purge_cutoff, require_learning
@@ -263,9 +263,7 @@ class ServingCore:
         handle gets the new text after every step (decoding it costs the engine thread time,
         so only streams ask for it). ``tenant``: who sent it (the API key's or a header's name,
         :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
-        only, unless the server shares the index (``CoreConfig.shared_suffix``). The scheduler
-        shares the batch between tenants, and between requests (the choices sent under one
-        ``request_id``) within one, ``priority`` first (:mod:`onlinespec.decoding.scheduler`).
+        only, unless the server shares the index (``CoreConfig.shared_suffix``). ``priority``: lower first within the tenant (issue 46).
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
@@ -274,32 +272,24 @@ class ServingCore:
         ids = encode(self.tokenizer, vocab, prompt)
         params = params or SamplingParams(max_new_tokens=None)
         budget = admit_budget(self.engine, params, len(ids), self.config.default_max_tokens, vocab)
-        # issue 46 (fair share): the queue's room first, the domain's slot only for a request that passed every check
         request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
-        self._room(tenant, request_id)
+        group = (tenant, request_id)  # issue 46: one request's choices; the queue's room, then the domain's slot (every check passed)
+        check_room(self.scheduler, self.config, tenant, group, self.recorder.recent_seconds, self.metrics.failures)
         domain = self._domains.admit(domain, tenant)
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.content.provisional(load=False) or self._on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         with self._lock:
-            self._room(tenant, request_id)
+            check_room(self.scheduler, self.config, tenant, group, self.recorder.recent_seconds, self.metrics.failures)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer, max_new_tokens=budget), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(self._headroom()) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
-            self.scheduler.submit(state, tenant=tenant, group=request_id, priority=priority)  # issue 46: fair share
+            self.scheduler.submit(state, tenant=tenant, group=group, priority=priority)  # issue 46: fair share
         self._notify_engine()
         return handle
-
-    def _room(self, tenant: str, request_id: str) -> None:
-        """Issue 46: 429 when the queue (``--max-waiting`` requests) or the tenant's queued tokens are full."""
-        try:
-            check_room(self.scheduler, self.config, tenant, request_id, self.recorder.recent_seconds)
-        except Overloaded:
-            self.metrics.failures.labels("queue_full").inc()
-            raise
 
     def _on_engine(self, fn: Callable):
         """Run ``fn`` on the engine thread between two steps and return its result (model work:
