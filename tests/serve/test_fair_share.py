@@ -138,3 +138,26 @@ def test_tenant_weights_parse_and_name_a_malformed_entry():
     for bad in ("team-a", "team-a=0", "=2", "team-a=x"):
         with pytest.raises(ValueError, match="--tenant-weight"):
             tenant_weights([bad])
+
+
+def test_serve_flags_reach_the_core_and_the_server(tmp_path, monkeypatch):
+    """The flags of issue 46, parsed (nothing starts): 0 is "no cap" for --default-max-tokens and
+    --tenant-max-queued-tokens; a malformed --tenant-weight exits 2 naming it."""
+    from typer.testing import CliRunner
+
+    from onlinespec import cli
+    from onlinespec.serve import server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda make_core, host, port, settings, logs: seen.update(core=make_core.args[0], settings=settings))
+    monkeypatch.setattr(cli.serving, "private_files", lambda: None)
+    args = ["serve", "models/tiny", "--backend", "torch", "--out-dir", str(tmp_path / "run"), "--default-max-tokens", "0",
+            "--tenant-max-queued-tokens", "0", "--tenant-max-running", "3", "--tenant-weight", "gold=3", "--body-timeout", "7",
+            "--max-connections", "50", "--keep-alive-timeout", "9"]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    core, settings = seen["core"], seen["settings"]
+    assert (core.default_max_tokens, core.tenant_max_queued_tokens, core.tenant_max_running, core.tenant_weights) == (None, None, 3, {"gold": 3.0})
+    assert (settings.body_timeout, settings.max_connections, settings.keep_alive_timeout) == (7.0, 50, 9.0)
+    result = CliRunner().invoke(cli.app, [*args, "--tenant-weight", "gold"])
+    assert result.exit_code == 2 and "--tenant-weight" in result.output
