@@ -146,3 +146,12 @@ def test_queue_counts_requests_and_queued_tokens_per_tenant():
     scheduler.submit(request(10, prompt=6), tenant="A", group="two")
     assert scheduler.waiting_groups() == {"one", "two"}
     assert scheduler.queued_tokens("B") == 4 * 16 and scheduler.group_size("one") == 4 and scheduler.group_size("three") == 0
+
+
+def test_charges_of_idle_tenants_that_owe_nothing_are_dropped():
+    """An open server's tenant header may name any tenant: the charges kept stay bounded."""
+    scheduler = FairScheduler(FakeEngine(), max_batch=4)
+    for i in range(50):
+        scheduler.submit(request(2), tenant=f"t{i}")
+    scheduler.run()
+    assert scheduler.served == {} and scheduler.group_served == {}

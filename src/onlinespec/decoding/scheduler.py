@@ -256,9 +256,18 @@ class FairScheduler:
             self.group_served[entry.group] += tokens
 
     def _forget(self, request: RequestState) -> None:
+        """Drop a choice's entry; its request's count with its last choice, and its tenant's charge
+        once that tenant is idle and owes nothing (it would restart at the least busy charge):
+        the charges kept are bounded by the tenants with work, not by every tenant ever seen."""
         entry = self._entries.pop(id(request), None)
-        if entry is not None and not any(e.group == entry.group for e in self._entries.values()):
+        if entry is None:
+            return
+        if not any(e.group == entry.group for e in self._entries.values()):
             self.group_served.pop(entry.group, None)
+        busy = self._tenants()
+        floor = min((self._charge(t) for t in busy), default=None)
+        for tenant in [t for t in self.served if t not in busy and (floor is None or self._charge(t) <= floor)]:
+            del self.served[tenant]
 
     def _weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
