@@ -41,7 +41,7 @@ class Flood(threading.Thread):
     def __init__(self, server) -> None:
         super().__init__(daemon=True)
         self.server, self.submitted, self.status, self.finished = server, threading.Event(), None, []
-        self.done = threading.Event()
+        self.done, self.texts = threading.Event(), [""] * 16
 
     def run(self) -> None:
         body = {"model": self.server.model, "prompt": "a", "n": 16, "ignore_eos": True, "stream": True, "temperature": 0}
@@ -52,7 +52,9 @@ class Flood(threading.Thread):
                 for line in response.iter_lines():
                     if line.startswith("data: {"):
                         chunk = json.loads(line[6:])
-                        self.finished += [c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")]
+                        for choice in chunk.get("choices", []):
+                            self.texts[choice["index"]] += choice.get("text") or ""
+                            self.finished += [choice["finish_reason"]] if choice.get("finish_reason") else []
         finally:
             self.submitted.set()
             self.done.set()
@@ -79,10 +81,11 @@ def test_metrics_are_behind_the_admin_key_on_a_keyed_server(fair):
     assert "onlinespec:" in httpx.get(fair.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
 
 
-def test_a_short_request_is_not_queued_behind_another_tenants_floods(fair):
+def test_a_short_request_is_not_queued_behind_another_tenants_floods(fair, alone):
     """B sends two 16-choice ignore_eos requests without max_tokens (32 choices on 4 slots); its
     third finds its own queued tokens past --tenant-max-queued-tokens: 429. A's short chat request
-    then completes (200, text) before either of B's, and both of B's complete, every choice."""
+    then completes (200, text) before either of B's, and both of B's complete, every choice, with
+    the target alone's greedy text (the choice preempted to give A a slot included)."""
     floods = []
     for _ in range(2):
         flood = Flood(fair)
@@ -100,6 +103,11 @@ def test_a_short_request_is_not_queued_behind_another_tenants_floods(fair):
     for flood in floods:
         assert flood.done.wait(600)
         assert flood.finished == ["length"] * 16, "B is served too, every choice to its budget"
+    texts = {text for flood in floods for text in flood.texts}
+    assert len(texts) == 1, "greedy: 32 equal choices, the one preempted to give A a slot included"
+    served = texts.pop()
+    longer = alone.generate("a", SamplingParams(max_new_tokens=CONTEXT, ignore_eos=True)).text  # the served budget is the context left
+    assert served and longer.startswith(served), "the target alone's greedy text"
 
 
 def test_a_trickled_body_gets_408_and_a_normal_request_still_succeeds(fair):
