@@ -26,7 +26,7 @@ from onlinespec.memory import parse_size
 from onlinespec.online.learner import LearnerConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.safety import command_line, private_files
-from onlinespec.serve.config import CoreConfig, model_name
+from onlinespec.serve.config import CoreConfig, model_name, tenant_weights
 from onlinespec.serve.logs import LogSettings
 from onlinespec.serve.web import ServerSettings
 
@@ -107,7 +107,10 @@ CORE_OPTIONS: dict[str, tuple] = {
     "speculation_details": (Annotated[bool, typer.Option(help="responses say which drafter proposed what (by_drafter): a side channel on other requests' text, off by default")], CoreConfig.speculation_details),
     "max_domains": (Annotated[int, typer.Option(min=1, help="distinct request domains a server accepts (each is a metrics label); a new one past this is a 400")], CoreConfig.max_domains),
     "request_timeout": (Annotated[float, typer.Option(min=0.001, help="seconds a request may take, queueing included")], CoreConfig.request_timeout),
-    "default_max_tokens": (Annotated[Optional[int], typer.Option(min=1, help="new tokens when a request names no max_tokens (default: the context left, as vLLM)")], CoreConfig.default_max_tokens),
+    "default_max_tokens": (Annotated[int, typer.Option(min=0, help="new tokens of a request that names no max_tokens, within the context left (0: all the context left, as vLLM; docs/serve.md, 'Scheduling')")], CoreConfig.default_max_tokens),
+    "tenant_max_running": (Annotated[int | None, typer.Option(min=1, help="the most batch slots (running choices) one tenant holds (default: --max-batch; its fair share whenever another tenant has work waiting)")], CoreConfig.tenant_max_running),
+    "tenant_max_queued_tokens": (Annotated[int, typer.Option(min=0, help="tokens (prompts + max_tokens left) one tenant's waiting choices may hold; its new requests past this get 429 (0: no cap)")], CoreConfig.tenant_max_queued_tokens),
+    "tenant_weight": (Annotated[list[str] | None, typer.Option(help="TENANT=WEIGHT: the tenant's weight in the fair share of the batch (default 1); repeat it")], None),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
     "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
@@ -127,11 +130,13 @@ def _core_config(o: dict) -> CoreConfig:
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
-                                         "default_max_tokens", "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget",
+                                         "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget",
                                          "enable_prefix_caching", "prefix_cache_cells")}
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
-    return CoreConfig(**plain, learner=learner, content=content, learn_share=o["learn_share"] or None)
+    fair = {"default_max_tokens": o["default_max_tokens"] or None, "tenant_max_queued_tokens": o["tenant_max_queued_tokens"] or None,
+            "tenant_max_running": o["tenant_max_running"], "tenant_weights": tenant_weights(o["tenant_weight"] or ())}  # issue 46: 0 is "no cap"
+    return CoreConfig(**plain, **fair, learner=learner, content=content, learn_share=o["learn_share"] or None)
 
 
 def with_core_options(command):
@@ -172,6 +177,9 @@ def serve(
     log_format: Annotated[str, typer.Option(help="json (one object a line: ts, level, logger, msg and the fields) or text")] = "json",
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
     drain_seconds: Annotated[float, typer.Option(min=0, help="on SIGTERM, how long requests in flight may finish")] = ServerSettings.drain_seconds,
+    body_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request's body may take to arrive once its headers have; then 408 and the connection closes")] = ServerSettings.body_timeout,
+    max_connections: Annotated[int, typer.Option(min=1, help="open connections (and requests in flight) past which new requests get 503 (uvicorn's --limit-concurrency)")] = ServerSettings.max_connections,
+    keep_alive_timeout: Annotated[float, typer.Option(min=1, help="seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)")] = ServerSettings.keep_alive_timeout,
     static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
     fresh_baseline: Annotated[bool, typer.Option(help="also serve, as draft 'fresh', the draft born from nothing (hybrid:fresh), "
                                                      "learning from the requests that name it (the cold start beside the packaged head)")] = False,
@@ -198,7 +206,8 @@ def serve(
     core = user_errors(lambda: vllm_options(core, model, names, max_model_len, chat_template))
     core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
     settings = _server_settings(core.model_name, names, (api_key, api_key_file), (admin_key, admin_key_file), tenant_header=tenant_header,
-                                max_body_bytes=max_body_bytes, drain_seconds=drain_seconds)
+                                max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, body_timeout=body_timeout,
+                                max_connections=max_connections, keep_alive_timeout=keep_alive_timeout)
     logs = user_errors(lambda: LogSettings(log_level, log_format))
     if scale is not None:  # the replicas log as the front does
         scale = replace(scale, logs=logs)

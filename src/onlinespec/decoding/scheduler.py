@@ -1,38 +1,95 @@
-"""Continuous batching: admit waiting requests into the engine's batch as slots free up.
+"""Continuous batching with fair admission: which waiting request takes a free slot of the batch.
 
-A request waits in a first-come queue until fewer than ``max_batch`` requests are running; it then
-joins at the next step (its prompt prefilled in chunks, :mod:`onlinespec.decoding.engine`) and
-leaves as soon as it finishes, so the next one takes its slot at once. ``submit`` may be called
-from any thread; ``step`` from one thread only (the engine's loop). A step that raises is
-recovered once (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.recompute`); a second in
-a row is raised to the caller.
+A request waits in the admission queue until a slot is free; it then joins at the next step (its
+prompt prefilled in chunks, :mod:`onlinespec.decoding.engine`) and leaves as soon as it finishes.
+Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Scheduling"):
+
+* between **tenants**: each tenant is charged the tokens it was served (its prompts once, each new
+  token); a free slot goes to the tenant with work waiting whose charge over its weight is least.
+  A tenant that had no work starts at the least charge among those that have (no credit banked
+  while idle). When a tenant with work waiting holds fewer slots than its share (``max_batch`` x
+  its weight over the weights of the tenants with work), a running choice of a tenant over its
+  share is preempted: it leaves the batch, keeps its text, and prefills its tokens again when it
+  is admitted next (as vLLM recomputes a preempted request, :meth:`RequestState.recompute`).
+  One tenant may so use every slot while it is alone, and not one more than its share once
+  another has work waiting. When shares round to less than a slot (more tenants with work than
+  slots), slots turn over in time slices of ``quantum`` new tokens, to the least charged tenant.
+* within a tenant, between **requests** (a ``group``: the ``n`` choices of one HTTP request
+  share one): lower ``priority`` first (vLLM's field), then the request with the fewest tokens
+  served, then first come. A 16-choice request is 16 units of work, each choice a slot.
+* ``max_running`` caps the slots one tenant holds (None: ``max_batch``).
+
+``submit`` may be called from any thread; ``step`` from one thread only (the engine's loop). A
+step that raises is recovered once (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.recompute`);
+a second in a row is raised to the caller.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections import deque
+from dataclasses import dataclass
 
 from onlinespec.decoding.engine import SpeculativeEngine, StepReport
 from onlinespec.decoding.request import RequestState
 
 DEFAULT_MAX_BATCH = 8  # requests verified per step
+DEFAULT_QUANTUM = 512  # new tokens a choice runs before a time slice may preempt it (more tenants with work than slots)
 
 
-class Scheduler:
-    def __init__(self, engine: SpeculativeEngine, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+@dataclass
+class _Entry:
+    """What the queue keeps of one choice: whose it is and its place."""
+
+    tenant: str
+    group: object
+    priority: int
+    seq: int
+    charged: bool = False  # its prompt tokens were charged (at its first admission)
+    seen: int = 0  # its new tokens charged so far
+    since: int = 0  # its new tokens when it was last admitted
+
+
+class FairScheduler:
+    """The admission queue and the batch's slots, shared fairly between tenants and requests."""
+
+    def __init__(self, engine: SpeculativeEngine, max_batch: int = DEFAULT_MAX_BATCH, max_running: int | None = None,
+                 weights: dict[str, float] | None = None, quantum: int = DEFAULT_QUANTUM) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be >= 1 (or None: max_batch), got {max_running}")
+        if any(not w > 0 for w in (weights or {}).values()):
+            raise ValueError(f"tenant weights must be > 0, got {weights}")
         self.engine, self.max_batch = engine, max_batch
-        self.waiting: deque[RequestState] = deque()
+        self.max_running = min(max_running or max_batch, max_batch)
+        self.weights, self.quantum = dict(weights or {}), max(quantum, 1)
+        self.waiting: list[RequestState] = []
         self.running: list[RequestState] = []
+        self.served: dict[str, float] = {}  # tenant -> tokens served (prompts once, new tokens)
+        self.group_served: dict[object, int] = {}  # group -> tokens served, while the group has work
+        self.preempted = 0  # choices taken out of the batch to give a slot to another tenant
+        self._entries: dict[int, _Entry] = {}
+        self._seq = itertools.count()
         self._lock = threading.Lock()
         self.failed_steps = 0  # engine steps that raised in a row
 
-    def submit(self, request: RequestState) -> RequestState:
+    # ---- the queue (any thread) -------------------------------------------------------------
+
+    def submit(self, request: RequestState, tenant: str = "", group: object = None, priority: int = 0) -> RequestState:
+        """Queue ``request`` for ``tenant``; ``group``: the HTTP request its choice belongs to (None:
+        a group of its own); ``priority``: lower first within the tenant (vLLM's)."""
         with self._lock:
+            entry = _Entry(tenant, group if group is not None else ("own", id(request)), priority, next(self._seq))
+            if not self._has_work(tenant):  # no credit banked while idle: start at the least charge of the busy ones
+                busy = [self._charge(t) for t in self._tenants()]
+                self.served[tenant] = max(self.served.get(tenant, 0.0), min(busy, default=0.0) * self._weight(tenant))
+            if entry.group not in self.group_served:
+                mine = [self.group_served[e.group] for e in self._entries.values() if e.tenant == tenant and e.group in self.group_served]
+                self.group_served[entry.group] = min(mine, default=0)
+            self._entries[id(request)] = entry
             self.waiting.append(request)
         return request
 
@@ -43,18 +100,36 @@ class Scheduler:
                 self.waiting.remove(request)
             if request in self.running:
                 self.running.remove(request)
+            self._forget(request)
 
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def step(self) -> tuple[list[RequestState], StepReport | None]:
-        """Admit, run one engine step; return the requests it advanced (finished ones included)."""
+    def waiting_groups(self) -> set:
+        """The requests (groups) with a choice waiting for a slot."""
         with self._lock:
-            while self.waiting and len(self.running) < self.max_batch:
-                request = self.waiting.popleft()
-                request.stats.queued_seconds = time.perf_counter() - request.submitted
-                self.running.append(request)
+            return {self._entries[id(r)].group for r in self.waiting if id(r) in self._entries}
+
+    def queued_tokens(self, tenant: str) -> int:
+        """The tokens ``tenant``'s waiting choices may still cost: their text and the new tokens left
+        in their budgets."""
+        with self._lock:
+            return sum(len(r.ids) + max(r.stop.remaining, 0) for r in self.waiting
+                       if id(r) in self._entries and self._entries[id(r)].tenant == tenant)
+
+    def group_size(self, group: object) -> int:
+        """The choices of ``group`` (one request) still queued or running."""
+        with self._lock:
+            return sum(e.group == group for e in self._entries.values())
+
+    # ---- one step (the engine thread) --------------------------------------------------------
+
+    def step(self) -> tuple[list[RequestState], StepReport | None]:
+        """Admit (and preempt), run one engine step; return the requests it advanced (finished
+        ones included)."""
+        with self._lock:
+            self._admit()
             active = list(self.running)
         if not active:
             return [], None
@@ -71,7 +146,10 @@ class Scheduler:
             self.engine.recompute(active)
             return [], None
         with self._lock:
-            self.running = [r for r in self.running if not r.finished]
+            self._charge_step(active)
+            for r in [r for r in self.running if r.finished]:
+                self.running.remove(r)
+                self._forget(r)
         return active, report
 
     def run(self) -> list[StepReport]:
@@ -82,3 +160,140 @@ class Scheduler:
             if report is not None:
                 reports.append(report)
         return reports
+
+    # ---- the policy (under the lock) --------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Fill free slots by fair order; preempt for a tenant under its share while one is over."""
+        for _ in range(4 * self.max_batch + len(self.waiting)):  # each turn admits or preempts: a bound, never reached
+            if len(self.running) < self.max_batch:
+                request = self._next()
+                if request is None:
+                    return
+                self._start(request)
+                continue
+            starved = self._starved()
+            victim = self._victim(starved) if starved is not None else None
+            if victim is None:
+                return
+            self._preempt(victim)
+
+    def _next(self) -> RequestState | None:
+        """The waiting choice to admit: of the tenants under their share (any under their cap when
+        none is), the one whose charge over weight is least; then priority, then its request's
+        tokens served, then first come."""
+        holding, starved = self._holding(), self._starved_tenants()
+        best, best_key = None, None
+        for r in self.waiting:
+            e = self._entries[id(r)]
+            if holding.get(e.tenant, 0) >= self.max_running or (starved and e.tenant not in starved):
+                continue
+            key = (self._charge(e.tenant), e.priority, self.group_served.get(e.group, 0), e.seq)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        return best
+
+    def _starved_tenants(self) -> set[str]:
+        """The tenants with a choice waiting that hold fewer slots than their share (rounded down,
+        at least one, at most ``max_running``)."""
+        holding, shares = self._holding(), self._shares()
+        waiting = {self._entries[id(r)].tenant for r in self.waiting}
+        return {t for t in waiting if holding.get(t, 0) < min(max(int(shares[t]), 1), self.max_running)}
+
+    def _starved(self) -> str | None:
+        """The starved tenant that is least charged."""
+        return min(self._starved_tenants(), key=lambda t: (self._charge(t), t), default=None)
+
+    def _victim(self, starved: str) -> RequestState | None:
+        """The running choice to preempt for ``starved``: one of the tenant most over its share
+        (more slots than its share rounded up); else, when shares round to nothing (more tenants
+        than slots), one that ran ``quantum`` new tokens since it was admitted, of a tenant charged
+        ``quantum`` more than ``starved`` (a time slice). Of a tenant's, its request's with the most
+        tokens served, the one admitted last. A choice scoring its prompt, or whose prompt the
+        content router embeds, is never preempted (both are taken once, as the prompt prefills)."""
+        holding, shares = self._holding(), self._shares()
+        movable = [r for r in self.running if r.params.prompt_logprobs is None and not r.embed]
+        over = [t for t in holding if t != starved and holding[t] > max(int(shares[t] + 0.999), 1)]
+        if over:
+            tenant = max(over, key=lambda t: (holding[t] - shares[t], t))
+            mine = [r for r in movable if self._entries[id(r)].tenant == tenant]
+        else:
+            floor = self._charge(starved) + self.quantum
+            mine = [r for r in movable if self._entries[id(r)].tenant != starved and self._charge(self._entries[id(r)].tenant) >= floor
+                    and len(r.stop.generated) - self._entries[id(r)].since >= self.quantum]
+        if not mine:
+            return None
+        return max(mine, key=lambda r: (self._charge(self._entries[id(r)].tenant), self.group_served.get(self._entries[id(r)].group, 0),
+                                        self._entries[id(r)].seq))
+
+    def _start(self, request: RequestState) -> None:
+        self.waiting.remove(request)
+        entry = self._entries[id(request)]
+        entry.since = len(request.stop.generated)
+        if not entry.charged:
+            request.stats.queued_seconds = time.perf_counter() - request.submitted
+            self._add(entry, len(request.prompt_ids))
+            entry.charged = True
+        self.running.append(request)
+
+    def _preempt(self, request: RequestState) -> None:
+        self.running.remove(request)
+        request.recompute()  # its rows leave the cache at the next step (engine._leave); its text stays
+        self.waiting.append(request)
+        self.preempted += 1
+
+    def _charge_step(self, active: list[RequestState]) -> None:
+        for r in active:
+            entry = self._entries.get(id(r))
+            if entry is not None:
+                done = len(r.stop.generated)
+                self._add(entry, done - entry.seen)
+                entry.seen = done
+
+    def _add(self, entry: _Entry, tokens: int) -> None:
+        self.served[entry.tenant] = self.served.get(entry.tenant, 0.0) + tokens
+        if entry.group in self.group_served:
+            self.group_served[entry.group] += tokens
+
+    def _forget(self, request: RequestState) -> None:
+        """Drop a choice's entry; its request's count with its last choice, and its tenant's charge
+        once that tenant is idle and owes nothing (it would restart at the least busy charge):
+        the charges kept are bounded by the tenants with work, not by every tenant ever seen."""
+        entry = self._entries.pop(id(request), None)
+        if entry is None:
+            return
+        if not any(e.group == entry.group for e in self._entries.values()):
+            self.group_served.pop(entry.group, None)
+        busy = self._tenants()
+        floor = min((self._charge(t) for t in busy), default=None)
+        for tenant in [t for t in self.served if t not in busy and (floor is None or self._charge(t) <= floor)]:
+            del self.served[tenant]
+
+    def _weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def _charge(self, tenant: str) -> float:
+        return self.served.get(tenant, 0.0) / self._weight(tenant)
+
+    def _tenants(self) -> set[str]:
+        """The tenants with work (a choice running or waiting)."""
+        return {e.tenant for e in self._entries.values()}
+
+    def _has_work(self, tenant: str) -> bool:
+        return any(e.tenant == tenant for e in self._entries.values())
+
+    def _holding(self) -> dict[str, int]:
+        holding: dict[str, int] = {}
+        for r in self.running:
+            tenant = self._entries[id(r)].tenant
+            holding[tenant] = holding.get(tenant, 0) + 1
+        return holding
+
+    def _shares(self) -> dict[str, float]:
+        """Each tenant with work's share of the slots: ``max_batch`` x its weight over the total."""
+        tenants = self._tenants()
+        total = sum(self._weight(t) for t in tenants) or 1.0
+        return {t: self.max_batch * self._weight(t) / total for t in tenants}
+
+
+Scheduler = FairScheduler  # the name before issue 46 (a first-come queue), kept: one scheduler, one policy

@@ -305,13 +305,14 @@ class RayCore(Core):
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> RemoteHandle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None,
+               priority: int = 0) -> RemoteHandle:
         """Queue a request on a replica (as :meth:`ServingCore.submit`; the same errors)."""
         if not self.ready:
             raise Unavailable(f"not ready: {self.error or 'no replica is ready'}; retry when GET /ready answers 200")
         request = {"prompt": prompt, "params": params, "domain": domain, "train": train, "draft": draft,
                    "request_id": request_id or f"req-{uuid.uuid4().hex[:16]}", "stream": stream,
-                   "tenant": tenant, "cache_salt": cache_salt}
+                   "tenant": tenant, "cache_salt": cache_salt, "priority": priority}
         handle = RemoteHandle(self, request, notify)
         self._place(handle)
         return handle

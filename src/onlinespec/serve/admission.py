@@ -10,12 +10,16 @@ import threading
 
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.scheduler import FairScheduler
 from onlinespec.online.pool import ServedDraft
 from onlinespec.safety import check_label, shown
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import NotFound, Overloaded, ServeError
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, render
+from onlinespec.serve.protocol import MAX_CHOICES
 from onlinespec.tokens import Prompt, encode_prompt
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 15  # a choice's prompt log probabilities: prompt tokens x (1 + alternatives) (docs/serve.md)
 
 
 def encode(tokenizer, vocab_size: int, prompt: Prompt | ChatPrompt | TextPrompt) -> list[int]:
@@ -48,6 +52,11 @@ def admit_budget(engine: SpeculativeEngine, params: SamplingParams, prompt_token
         past = [t for t in ids if t >= vocab_size]
         if past:
             raise ServeError(f"{name}: token id {past[0]} is past the vocabulary (ids are 0..{vocab_size - 1})", param=name)
+    if params.prompt_logprobs is not None and prompt_tokens * (1 + params.prompt_logprobs) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ServeError(f"prompt_logprobs (or echo with logprobs) = {params.prompt_logprobs} over {prompt_tokens} prompt tokens asks for "
+                         f"{prompt_tokens * (1 + params.prompt_logprobs)} log probabilities per choice: the limit is "
+                         f"{MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (1 + alternatives)); ask for fewer alternatives or a shorter prompt",
+                         param="prompt_logprobs", code="prompt_logprobs_too_large")
     asked = params.max_new_tokens
     try:
         budget = engine.budget(prompt_tokens, asked, name="max_tokens")  # the client's name for it
@@ -104,3 +113,33 @@ def queue_full(waiting: int, config: CoreConfig, recent_seconds: float) -> Overl
     likely started (``recent_seconds``: a recent request's seconds, a batch at a time)."""
     retry = max(1, math.ceil(recent_seconds * (1 + waiting / config.max_batch)))
     return Overloaded(f"{waiting} requests are waiting (the limit is {config.max_waiting}): retry in {retry} s", retry)
+
+
+def check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, group: object, recent_seconds: float, failures=None) -> None:
+    """429 (:class:`Overloaded`) for a new request when ``--max-waiting`` requests (HTTP requests,
+    whatever their choices) already wait for a slot, or when its tenant's waiting choices already
+    hold ``--tenant-max-queued-tokens`` tokens (their text and the new tokens left in their
+    budgets). A request's later choices join its first: a request once accepted is never cut
+    (``group``: the tenant and request id its choices share; a reused id joins at most
+    :data:`~onlinespec.serve.protocol.MAX_CHOICES` choices unchecked). ``failures``: the
+    ``request_failure_total`` counter a refusal counts on (reason ``queue_full``)."""
+    if 0 < scheduler.group_size(group) < MAX_CHOICES:
+        return
+    try:
+        _check_room(scheduler, config, tenant, recent_seconds)
+    except Overloaded:
+        if failures is not None:
+            failures.labels("queue_full").inc()
+        raise
+
+
+def _check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, recent_seconds: float) -> None:
+    waiting = len(scheduler.waiting_groups())
+    if waiting >= config.max_waiting:
+        raise queue_full(waiting, config, recent_seconds)
+    queued, cap = scheduler.queued_tokens(tenant), config.tenant_max_queued_tokens
+    if cap is not None and queued >= cap:
+        retry = max(1, math.ceil(recent_seconds))
+        raise Overloaded(f"your requests waiting for a slot already hold {queued} tokens (prompts and max_tokens left; the limit per "
+                         f"tenant is {cap}, --tenant-max-queued-tokens): retry in {retry} s, or send fewer choices or a smaller max_tokens",
+                         retry)

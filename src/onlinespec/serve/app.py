@@ -93,8 +93,11 @@ def health_router(core: Core, settings: ServerSettings) -> APIRouter:
         learning = await asyncio.to_thread(core.learning)  # a cluster asks its actors: never on the event loop
         return {"status": "ready", "model": settings.model_name, "draft": core.config.draft, **learning}
 
+    access = Access(settings)
+
     @router.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        access.metrics(request)  # issue 46: its labels are client-chosen (domains): behind a key when keys guard /v1
         text = await asyncio.to_thread(core.metrics.text)  # a cluster gathers its replicas': never on the event loop
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

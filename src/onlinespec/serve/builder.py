@@ -18,7 +18,7 @@ from pathlib import Path
 from onlinespec import memory
 from onlinespec.decoding.engine import SpeculativeEngine
 from onlinespec.decoding.proposers.suffix_files import SUFFIX_FILE, replica_suffix_file
-from onlinespec.decoding.scheduler import Scheduler
+from onlinespec.decoding.scheduler import FairScheduler
 from onlinespec.factory import FRESH, engine_options, make_proposer
 from onlinespec.models import LoadedModel, load_target
 from onlinespec.online.pool import DraftPool, ServedDraft, saved_drafts
@@ -47,7 +47,7 @@ class CoreParts:
     tokenizer: object
     eos: frozenset[int]
     engine: SpeculativeEngine
-    scheduler: Scheduler
+    scheduler: FairScheduler
     identity: dict  # target, draft, tokenizer fingerprint: what a saved draft must match
     share: LearningShare | None  # when learning takes the engine's turns (CoreConfig.learn_share)
     pool: DraftPool
@@ -122,5 +122,5 @@ def build(config: CoreConfig, target: LoadedModel, out_dir: Path, metrics: Serve
              "backend": target.backend, "device": str(target.device), "context": engine.context,
              "cost_curve_ms": curve.milliseconds() if curve else None}
     recorder = RecordWriter(pool, metrics, config, hooks.event, hooks.release, replica, on_served=share.served if share is not None else None)
-    return CoreParts(tokenizer, eos, engine, Scheduler(engine, config.max_batch), identity, share, pool, baselines, recorder, start,
+    return CoreParts(tokenizer, eos, engine, FairScheduler(engine, config.max_batch, config.tenant_max_running, config.tenant_weights), identity, share, pool, baselines, recorder, start,
                      open_fresh=config.fresh_baseline and speculative)

@@ -14,6 +14,9 @@ from onlinespec.online.pool import PoolConfig
 from onlinespec.routing.content import ContentConfig
 from onlinespec.routing.domains import MAX_DRAFTS, ROUTERS
 
+DEFAULT_MAX_TOKENS = 4096  # new tokens of a request that names no max_tokens (docs/serve.md, "Scheduling")
+DEFAULT_TENANT_QUEUED_TOKENS = 1 << 18  # tokens one tenant's waiting choices may hold before its new requests get 429
+
 
 @dataclass
 class CoreConfig:
@@ -37,11 +40,17 @@ class CoreConfig:
     adaptive_k: bool = True  # per-step k from the measured cost curve (off: always k proposals)
     kernels: bool = True  # small-batch linear kernels when they measure faster
     max_batch: int = DEFAULT_MAX_BATCH  # requests verified per step
-    max_waiting: int = 64  # requests queued for a slot; beyond this a request is refused (retry later)
+    max_waiting: int = 64  # requests (HTTP requests, whatever their choices) queued for a slot; beyond this one is refused (429)
+    tenant_max_running: int | None = None  # the most slots (running choices) one tenant holds (None: max_batch; its fair share
+    # whenever another tenant has work waiting: onlinespec.decoding.scheduler)
+    tenant_max_queued_tokens: int | None = DEFAULT_TENANT_QUEUED_TOKENS  # a tenant's waiting choices' tokens (text + budget left)
+    # past which its new requests are refused (429); None: no cap
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # tenant -> its weight in the fair share (others: 1)
     max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
     shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
     speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
-    default_max_tokens: int | None = None  # when a request gives no max_tokens (None: the context left, as vLLM)
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # when a request gives no max_tokens, within the context left
+    # (None: all the context left, as vLLM; docs/serve.md, "Scheduling")
     request_timeout: float = 600.0  # seconds from arrival; a request still running then fails
     static_baseline: bool = False  # also serve the starting draft kept static, as draft "static"
     fresh_baseline: bool = False  # also serve, as draft "fresh", the same kind of draft born from nothing (DRAFT:fresh),
@@ -69,6 +78,8 @@ class CoreConfig:
             raise ValueError(f"unknown router {self.router!r}: use one of {ROUTERS}")
         if self.k < 0 or self.max_batch < 1 or self.max_waiting < 0 or (self.default_max_tokens or 1) < 1 or self.max_domains < 1:
             raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
+        if (self.tenant_max_running or 1) < 1 or (self.tenant_max_queued_tokens or 1) < 1 or any(not w > 0 for w in self.tenant_weights.values()):
+            raise ValueError("tenant_max_running >= 1, tenant_max_queued_tokens >= 1 and tenant weights > 0 are required")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if self.retention_days is not None and not self.retention_days > 0:
@@ -118,3 +129,17 @@ class CoreConfig:
 def model_name(target: str) -> str:
     """The name a server answers to by default: 'default' for the packaged target, else the folder or file name."""
     return "default" if target == "default" else Path(target).stem or target
+
+
+def tenant_weights(entries) -> dict[str, float]:
+    """``--tenant-weight TENANT=WEIGHT`` entries as a dict; a ValueError names a malformed one."""
+    weights = {}
+    for entry in entries:
+        name, _, value = (part.strip() for part in entry.partition("="))
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--tenant-weight {entry!r}: give TENANT=WEIGHT, e.g. team-a=2") from None
+        if not name or not weights[name] > 0:
+            raise ValueError(f"--tenant-weight {entry!r}: give a tenant name and a weight > 0")
+    return weights

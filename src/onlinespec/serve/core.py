@@ -47,7 +47,7 @@ from onlinespec.decoding.speculative import text_delta
 from onlinespec.decoding.stopping import StopChecker
 from onlinespec.models import LoadedModel
 from onlinespec.online.pool import ServedDraft
-from onlinespec.serve.admission import Domains, admit_budget, encode, named_draft, queue_full
+from onlinespec.serve.admission import Domains, admit_budget, check_room, encode, named_draft
 from onlinespec.serve.builder import CoreHooks, build, load_configured_target
 from onlinespec.serve.config import CoreConfig
 from onlinespec.serve.handles import Delta, Failed, Handle, LoadFailed, ServeError, Timeout, Unavailable
@@ -206,7 +206,8 @@ class ServingCore(PoolOperations, Core):
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> Handle:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None,
+               priority: int = 0) -> Handle:
         """Queue a request; its :class:`Handle` streams its text and ends with a :class:`Served`.
 
         ``params.max_new_tokens`` is the request's budget (its ``max_tokens``): checked against
@@ -221,32 +222,33 @@ class ServingCore(PoolOperations, Core):
         :mod:`onlinespec.serve.app`); its suffix-index lookups see that tenant's earlier requests
         only, unless the server shares the index (``CoreConfig.shared_suffix``). ``cache_salt``
         (vLLM's): the prefix cache reuses only cells of requests of the same tenant and salt.
+        ``priority``: lower first within the tenant (docs/serve.md, "Scheduling").
         """
         if not self.ready:
             reason = self.error or ("the server is shutting down" if self.status in ("draining", "stopped") else f"the model is {self.status}")
             raise Unavailable(f"not ready: {reason}; retry when GET /ready answers 200")
-        domain = self._domains.admit(domain, tenant)
         vocab = min(self.engine.runner.vocab_size, len(self.tokenizer))
         ids = encode(self.tokenizer, vocab, prompt)
         params = params or SamplingParams(max_new_tokens=None)
         budget = admit_budget(self.engine, params, len(ids), self.config.default_max_tokens, vocab)
+        request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
+        group = (tenant, request_id)  # issue 46: one request's choices; the queue's room, then the domain's slot (every check passed)
+        check_room(self.scheduler, self.config, tenant, group, self.recorder.recent_seconds, self.metrics.failures)
+        domain = self._domains.admit(domain, tenant)
         by_content = draft is None and self.pool.content is not None
         chosen = (self.pool.content.provisional(load=False) or self.on_engine(self.pool.content.provisional)) if by_content else self._draft(domain, draft)
         train = train and (chosen.learner is not None or chosen.suffix is not None)
         headroom = self.share.turns.headroom() if self.share is not None else 1.0  # the share of serving time a draft could pay in
         with self._lock:
-            if len(self.scheduler.waiting) >= self.config.max_waiting:
-                self.metrics.failures.labels("queue_full").inc()
-                raise queue_full(len(self.scheduler.waiting), self.config, self.recorder.recent_seconds)
+            check_room(self.scheduler, self.config, tenant, group, self.recorder.recent_seconds, self.metrics.failures)
             state = RequestState(ids, params, StopChecker(params, self.eos, self.tokenizer, max_new_tokens=budget), proposer=chosen.proposer,
                                  adaptive=chosen.adaptive, trace=[] if train and chosen.learner is not None and chosen.learner.records_next(headroom) else None,
                                  embed=by_content, tenant="" if self.config.shared_suffix else tenant)
-            request_id = request_id or f"req-{next(_request_ids)}-{int(self.started_at)}"
-            state.cache_key, state.cache_owner = (tenant, cache_salt or ""), request_id  # issue 49: prefix cache key and purge owner
+            state.cache_key, state.cache_owner = (tenant, cache_salt or ""), request_id  # the prefix cache: its key and purge owner
             handle = Handle(self.cancel, state, chosen, domain, train, request_id, time.perf_counter() + self.config.request_timeout,
                             notify, prompt if self.config.log_text else "", stream)
             self._handles[state.id] = handle
-            self.scheduler.submit(state)
+            self.scheduler.submit(state, tenant=tenant, group=group, priority=priority)  # issue 46: fair share
         self._notify_engine()
         return handle
 

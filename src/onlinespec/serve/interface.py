@@ -58,7 +58,8 @@ class Core(Protocol):
     @abstractmethod
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, domain: str = "default", train: bool = True,
                draft: str | None = None, request_id: str | None = None,
-               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None) -> Events:
+               notify: Callable[[], None] | None = None, stream: bool = False, tenant: str = "", cache_salt: str | None = None,
+               priority: int = 0) -> Events:
         """Queue a request; its events end with a ``Served`` or a ``ServeError`` (ServingCore.submit says more)."""
 
     @abstractmethod

@@ -57,7 +57,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     if len(request_id) > 128 or not request_id.isprintable():
         raise ServeError("X-Request-Id: give at most 128 printable characters", param="X-Request-Id", code="invalid_request_id")
-    body = parse(await read_body(request, settings.max_body_bytes), ChatRequest if chat else CompletionRequest)
+    body = parse(await read_body(request, settings.max_body_bytes, settings.body_timeout), ChatRequest if chat else CompletionRequest)
     if body.model not in settings.names:
         raise NotFound(f"model {shown(body.model)} is not served here: use {' or '.join(map(repr, settings.names))} (GET /v1/models)",
                        param="model", code="model_not_found")
@@ -82,7 +82,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
                 handles.append(await asyncio.to_thread(
                     core.submit, prompt, params=choice_params(params, j), domain=body.domain or "default", train=body.train and j == 0,
                     draft=body.draft, request_id=request_id, notify=notify, stream=body.stream, tenant=tenant,
-                    cache_salt=body.cache_salt))
+                    cache_salt=body.cache_salt, priority=body.priority))
     except BaseException:
         for handle in handles:
             handle.cancel()
@@ -125,8 +125,8 @@ async def answer(handles: list[Events], wake: asyncio.Event, shape: Shape, reque
                         return error_response(event, headers["X-Request-Id"])
                     if isinstance(event, Served):
                         served[i] = event
-            if all(s is not None for s in served):
-                return JSONResponse(shape.response(served), headers=headers)
+            if all(s is not None for s in served):  # built and serialised off the event loop: log probabilities can be large
+                return await asyncio.to_thread(lambda: JSONResponse(shape.response(served), headers=headers))
             try:
                 await asyncio.wait_for(wake.wait(), POLL_DISCONNECT)
             except asyncio.TimeoutError:
@@ -160,9 +160,9 @@ async def stream(handles: list[Events], wake: asyncio.Event, shape: Shape, usage
                         yield "data: [DONE]\n\n"
                         return
                     elif isinstance(event, Served):
-                        served[i] = event
-                        for chunk in shape.finish_chunks(i, event):
-                            yield sse(chunk)
+                        served[i] = event  # its last chunks carry its prompt's log probabilities: built off the event loop
+                        for chunk in await asyncio.to_thread(lambda i=i, event=event: [sse(c) for c in shape.finish_chunks(i, event)]):
+                            yield chunk
             if all(s is not None for s in served):
                 if usage:
                     yield sse(shape.usage_chunk(served))

@@ -95,6 +95,7 @@ class _Common(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     prompt_logprobs: Logprobs | None = None  # vLLM's: every prompt token's log probability (and the top n)
     response_format: dict | None = None  # text, json_object or json_schema (onlinespec.serve.structured)
+    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)  # vLLM's: lower first, among the caller's tenant's requests (docs/serve.md, "Scheduling")
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields this request sent that change nothing (after :func:`parse`'s checks)."""

@@ -37,8 +37,10 @@ def serve(make_core: Callable[[], Core], host: str = "127.0.0.1", port: int = 80
     settings = settings or ServerSettings()
     uvicorn_level = configure_logging(logs)
     app = create_app(make_core(), settings)
+    # issue 46: connections bounded (503 past max_connections), idle keep-alive closed; bodies have a deadline (web.read_body)
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_level, access_log=False, log_config=None,
-                           timeout_graceful_shutdown=int(settings.drain_seconds) or None)).run()
+                           timeout_graceful_shutdown=int(settings.drain_seconds) or None, limit_concurrency=settings.max_connections,
+                           timeout_keep_alive=max(1, round(settings.keep_alive_timeout)))).run()
 
 
 class _Server(uvicorn.Server):

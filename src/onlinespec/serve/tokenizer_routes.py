@@ -80,7 +80,7 @@ def tokenizer_router(core: Core, settings: ServerSettings, access: Access) -> AP
     async def read(request: Request, kind: type):
         """The request's body as ``kind``, for a model served here, and the tokenizer (the /v1 routes' key check)."""
         access.tenant(request)
-        body = parse(await read_body(request, settings.max_body_bytes), kind)
+        body = parse(await read_body(request, settings.max_body_bytes, settings.body_timeout), kind)
         settings.check_model(body.model)
         return body, tokenizer()
 

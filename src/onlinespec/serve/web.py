@@ -4,6 +4,7 @@ request bodies, and OpenAI's error body ``{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -23,6 +24,9 @@ class ServerSettings:
     admin_key: str | None = None  # Bearer key for /admin routes (None: the admin API is off)
     max_body_bytes: int = 1 << 20
     drain_seconds: float = 30.0  # SIGTERM: how long requests in flight may finish
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive, once its headers have: then 408, connection closed
+    max_connections: int = 1000  # open connections (and requests in flight) past which new requests get 503 (uvicorn's limit_concurrency)
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     load_in_background: bool = True  # answer /health while the model loads
 
     @property
@@ -49,10 +53,16 @@ class TooLarge(ServeError):
     status = 413
 
 
+class RequestTimeout(ServeError):
+    status = 408
+
+
 def error_response(err: ServeError, request_id: str | None = None) -> JSONResponse:
     headers = {"X-Request-Id": request_id} if request_id else {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(err.retry_after)
+    if isinstance(err, RequestTimeout):  # the rest of a trickled body is not waited for: the connection closes
+        headers["Connection"] = "close"
     body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
     return JSONResponse(body, status_code=err.status, headers=headers)
 
@@ -101,6 +111,19 @@ class Access:
                             f"(the key's own tenant) or name one given to this key", param=header, code="tenant_not_allowed")
         return value
 
+    def metrics(self, request: Request) -> None:
+        """``/metrics`` carries client-chosen labels (every tenant's request domains): when API keys
+        guard /v1 it needs the admin key, or, on a server without one, an API key (401 otherwise);
+        an open server's is open (docs/serve.md, "Metrics")."""
+        if not self.keys:
+            return
+        given, admin = request.headers.get("authorization", ""), self.settings.admin_key
+        keys = [admin] if admin else list(self.keys)
+        if not [key for key in keys if same_key(given, f"Bearer {key}")]:  # every key compared: no early exit
+            who = "the admin key" if admin else "an API key"
+            raise Unauthorized(f"GET /metrics needs {who} on this server (its labels name every tenant's domains): "
+                               f"send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
     def admin(self, request: Request) -> None:
         """Check the admin key (the admin API is off without one)."""
         key = self.settings.admin_key
@@ -110,9 +133,11 @@ class Access:
             raise Unauthorized("missing or wrong admin key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, deadline: float | None = None) -> bytes:
     """The request's body, refused (413) past ``limit`` bytes, declared or sent; a declared size
-    that is not a number of bytes is a 400."""
+    that is not a number of bytes is a 400; a body not all there within ``deadline`` seconds
+    (``--body-timeout``: a client trickling it holds a connection) is a 408 that closes the
+    connection."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):  # "²" is a digit to str.isdigit, not to int()
@@ -120,6 +145,14 @@ async def read_body(request: Request, limit: int) -> bytes:
                              param="Content-Length", code="invalid_content_length")
         if len(declared) > 18 or int(declared) > limit:  # int() refuses thousands of digits
             raise TooLarge(f"the body has {declared[:20]} bytes: the limit is {limit}", code="body_too_large")
+    try:
+        return await asyncio.wait_for(_collect(request, limit), deadline)
+    except TimeoutError:
+        raise RequestTimeout(f"the request's body did not arrive within {deadline:g} s (--body-timeout): send it whole, "
+                             f"at once", code="body_timeout") from None
+
+
+async def _collect(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

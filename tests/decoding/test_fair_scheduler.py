@@ -1,0 +1,157 @@
+"""The fair scheduler's order with fake requests and a fake engine (no model): who gets the batch's
+slots between tenants and between one tenant's requests (issue 46; docs/serve.md, "Scheduling")."""
+
+from __future__ import annotations
+
+from onlinespec.decoding.request import RequestState
+from onlinespec.decoding.sampling import SamplingParams
+from onlinespec.decoding.scheduler import FairScheduler, Scheduler
+from onlinespec.decoding.stopping import StopChecker
+
+PARAMS = SamplingParams(max_new_tokens=None, ignore_eos=True)
+
+
+class FakeEngine:
+    """One token per running request per step; a request that was recomputed (preempted) takes
+    one step to prefill its tokens again, as the real engine's chunked prefill does."""
+
+    context = 1 << 20
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, active: list[RequestState]):
+        self.steps += 1
+        for r in active:
+            if r.prefilled < len(r.ids):
+                r.prefilled = len(r.ids)
+                r.new_tokens = []
+                continue
+            r.new_tokens = r.stop.clip([7])
+            r.ids.extend(r.new_tokens)
+            r.prefilled = len(r.ids)
+
+    def recompute(self, active):
+        for r in active:
+            r.recompute()
+
+
+def request(tokens: int, prompt: int = 4) -> RequestState:
+    return RequestState(list(range(1, prompt + 1)), PARAMS, StopChecker(PARAMS, frozenset(), None, max_new_tokens=tokens))
+
+
+def tenants_of(scheduler: FairScheduler, requests: dict[str, list[RequestState]]) -> dict[str, int]:
+    held = {name: 0 for name in requests}
+    for r in scheduler.running:
+        for name, mine in requests.items():
+            held[name] += any(r is m for m in mine)
+    return held
+
+
+def test_one_tenant_keeps_first_come_order_and_scheduler_is_an_alias():
+    assert Scheduler is FairScheduler
+    scheduler = FairScheduler(FakeEngine(), max_batch=2)
+    requests = [scheduler.submit(request(3)) for _ in range(5)]
+    scheduler.step()
+    assert scheduler.running == requests[:2]
+    scheduler.run()
+    assert all(r.stop.finish_reason == "length" and len(r.stop.generated) == 3 for r in requests)
+
+
+def test_a_tenant_arriving_behind_a_16_choice_request_gets_a_slot_at_the_next_step():
+    scheduler = FairScheduler(FakeEngine(), max_batch=8)
+    b = [scheduler.submit(request(500), tenant="B", group="b1") for _ in range(16)]
+    for _ in range(3):
+        scheduler.step()
+    assert tenants_of(scheduler, {"B": b}) == {"B": 8}  # alone, B uses every slot
+    a = scheduler.submit(request(5), tenant="A", group="a1")
+    scheduler.step()
+    assert any(r is a for r in scheduler.running) and scheduler.preempted == 1
+    while not a.finished:
+        scheduler.step()
+    assert a.stop.generated == [7] * 5
+    assert not any(r.finished for r in b)  # A was not queued behind all of B's work
+
+
+def test_two_busy_tenants_share_the_slots_and_the_tokens():
+    scheduler = FairScheduler(FakeEngine(), max_batch=8)
+    b = [scheduler.submit(request(10_000), tenant="B", group=f"b{i // 16}") for i in range(32)]
+    scheduler.step()
+    a = [scheduler.submit(request(10_000), tenant="A", group=f"a{i}") for i in range(4 * 8)]
+    for _ in range(40):
+        scheduler.step()
+    assert tenants_of(scheduler, {"A": a, "B": b}) == {"A": 4, "B": 4}
+    assert abs(scheduler.served["A"] - scheduler.served["B"]) <= 0.25 * scheduler.served["B"]
+
+
+def test_preempted_choice_keeps_its_text_and_finishes_its_budget():
+    scheduler = FairScheduler(FakeEngine(), max_batch=1, quantum=4)  # one slot, two tenants: time slices
+    b = scheduler.submit(request(20), tenant="B")
+    for _ in range(6):
+        scheduler.step()
+    a = scheduler.submit(request(3), tenant="A")
+    scheduler.run()
+    assert scheduler.preempted >= 1
+    assert a.stop.generated == [7] * 3 and b.stop.generated == [7] * 20 and b.stop.finish_reason == "length"
+
+
+def test_within_a_tenant_a_new_request_goes_before_a_running_requests_other_choices():
+    scheduler = FairScheduler(FakeEngine(), max_batch=2)
+    big = [scheduler.submit(request(4), tenant="B", group="big") for _ in range(8)]
+    scheduler.step()
+    small = scheduler.submit(request(2), tenant="B", group="small")
+    while not big[0].finished:
+        scheduler.step()
+    scheduler.step()
+    assert any(r is small for r in scheduler.running)
+    assert not any(r is big[4] for r in scheduler.running)
+
+
+def test_priority_orders_a_tenants_requests_lower_first():
+    scheduler = FairScheduler(FakeEngine(), max_batch=1)
+    late = scheduler.submit(request(2), tenant="A", group="x", priority=5)
+    early = scheduler.submit(request(2), tenant="A", group="y", priority=-1)
+    scheduler.step()
+    assert scheduler.running == [early] and not late.finished
+
+
+def test_per_tenant_cap_and_weights():
+    capped = FairScheduler(FakeEngine(), max_batch=8, max_running=3)
+    mine = [capped.submit(request(50), tenant="B") for _ in range(8)]
+    capped.step()
+    assert len(capped.running) == 3 and len(capped.waiting) == 5 and all(r in mine for r in capped.running)
+
+    weighted = FairScheduler(FakeEngine(), max_batch=8, weights={"gold": 3.0})
+    gold = [weighted.submit(request(10_000), tenant="gold") for _ in range(16)]
+    plain = [weighted.submit(request(10_000), tenant="plain") for _ in range(16)]
+    for _ in range(20):
+        weighted.step()
+    assert tenants_of(weighted, {"gold": gold, "plain": plain}) == {"gold": 6, "plain": 2}
+
+
+def test_an_idle_tenant_banks_no_credit():
+    scheduler = FairScheduler(FakeEngine(), max_batch=2)
+    scheduler.submit(request(100), tenant="B")
+    scheduler.submit(request(100), tenant="B")
+    for _ in range(50):
+        scheduler.step()
+    scheduler.submit(request(100), tenant="A")
+    assert scheduler.served["A"] >= min(scheduler.served.values()) and scheduler.served["A"] > 0
+
+
+def test_queue_counts_requests_and_queued_tokens_per_tenant():
+    scheduler = FairScheduler(FakeEngine(), max_batch=1)
+    for _ in range(4):
+        scheduler.submit(request(10, prompt=6), tenant="B", group="one")
+    scheduler.submit(request(10, prompt=6), tenant="A", group="two")
+    assert scheduler.waiting_groups() == {"one", "two"}
+    assert scheduler.queued_tokens("B") == 4 * 16 and scheduler.group_size("one") == 4 and scheduler.group_size("three") == 0
+
+
+def test_charges_of_idle_tenants_that_owe_nothing_are_dropped():
+    """An open server's tenant header may name any tenant: the charges kept stay bounded."""
+    scheduler = FairScheduler(FakeEngine(), max_batch=4)
+    for i in range(50):
+        scheduler.submit(request(2), tenant=f"t{i}")
+    scheduler.run()
+    assert scheduler.served == {} and scheduler.group_served == {}
