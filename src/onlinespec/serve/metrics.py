@@ -49,11 +49,15 @@ class MemoryCollector(Collector):
         yield from (used, evictions, evicted)
 
 
+def _name(name: str) -> str:
+    return PREFIX + name
+
+
 class ServeMetrics:
     def __init__(self, model_name: str = "default") -> None:
         """``model_name``: the served model's name, the ``model_name`` label of the ``vllm:`` series."""
         self.registry = r = CollectorRegistry()
-        name = lambda n: PREFIX + n  # noqa: E731
+        name = _name
         self.num_drafts = Counter(name("spec_decode_num_drafts"), "Rounds that sent proposals", SPEC, registry=r)
         self.num_draft_tokens = Counter(name("spec_decode_num_draft_tokens"), "Proposed tokens", SPEC, registry=r)
         self.num_accepted_tokens = Counter(name("spec_decode_num_accepted_tokens"), "Accepted proposals", SPEC, registry=r)
@@ -69,6 +73,17 @@ class ServeMetrics:
         self.itl = Histogram(name("inter_token_latency_seconds"), "Between tokens (a round's tokens share its wait)", buckets=TOKEN_BUCKETS, registry=r)
         self.running = Gauge(name("num_requests_running"), "Requests in the batch", registry=r)
         self.waiting = Gauge(name("num_requests_waiting"), "Requests waiting for a slot", registry=r)
+        self._learning_series(r)
+        self._routing_series(r)
+        self._cost_series(r)
+        self.vllm = VllmMetrics(r, model_name)
+        r.register(MemoryCollector())  # issue 46: the memory budget, read at each scrape
+        self._versions: dict[str, str] = {}
+        self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
+
+    def _learning_series(self, r: CollectorRegistry) -> None:
+        """The learners', replay buffers' and suffix indexes' series."""
+        name = _name
         self.updates = Counter(name("learner_updates"), "Draft updates by outcome", ("draft", "outcome"), registry=r)
         self.learn_share = Gauge(name("learn_share"), "Share of the engine's wall time spent learning (last 30 s, "
                                  "onlinespec.online.turns)", registry=r)
@@ -91,6 +106,10 @@ class ServeMetrics:
                                  registry=r)
         self.learner_stopped = Gauge(name("learner_stopped"), "1 while a draft's learner has stopped after failures", ("draft",), registry=r)
         self.version = Gauge(name("draft_version_info"), "1 for the version each draft serves", ("draft", "version"), registry=r)
+
+    def _routing_series(self, r: CollectorRegistry) -> None:
+        """Content routing's series."""
+        name = _name
         self.drift = Counter(name("drift_detections"), "Content routing: detected changes (prompts: unlike the clusters; "
                              "alpha: a cluster's served alpha fell; new_cluster: a cluster went live; returned: a cluster's traffic came back)", ("kind",), registry=r)
         self.lifecycle = Counter(name("draft_lifecycle"), "Content routing: drafts spawned, evicted, reloaded, retired (merged)",
@@ -99,6 +118,10 @@ class ServeMetrics:
                                 "to score (its backlog's oldest)", registry=r)
         self.clusters = Gauge(name("routing_clusters"), "Content routing: live prompt clusters", registry=r)
         self.in_memory = Gauge(name("drafts_in_memory"), "Content routing: drafts loaded (at most --max-drafts)", registry=r)
+
+    def _cost_series(self, r: CollectorRegistry) -> None:
+        """The cost model's c per drafter."""
+        name = _name
         # The cost model's c per drafter (Proposal.drafter: ngram, suffix, head, ...): the draft
         # seconds per drafted token over one step of the target alone (docs/cpu-speculation.md).
         # A batched step's draft call is shared by its rows: each row counts its share.
@@ -111,10 +134,6 @@ class ServeMetrics:
                                 "alone, since start (needs target_step_seconds)", ("drafter",), registry=r)
         self._drafted: dict[str, list[float]] = {}  # drafter -> [seconds, tokens]
         self._step = 0.0  # target_step_seconds' value
-        self.vllm = VllmMetrics(r, model_name)
-        r.register(MemoryCollector())  # issue 46: the memory budget, read at each scrape
-        self._versions: dict[str, str] = {}
-        self._series: dict[str, dict[str, set[tuple]]] = {}  # draft -> version -> the label tuples its requests made
 
     def request(self, draft: str, version: str | None, domain: str, stats, figures: dict, max_tokens: int | None = None) -> None:
         """Count one finished request (``figures``: :func:`onlinespec.metrics.speculative_decoding`;
