@@ -54,11 +54,14 @@ def physical_memory() -> int:
 
 
 def default_limit() -> int:
-    """A quarter of the machine's RAM, at least 256 MiB and at most 8 GiB: the target model, its KV
+    """A quarter of the machine's RAM, at least 1 GiB and at most 8 GiB: the target model, its KV
     cache and the Python process itself live outside the budget and need the rest; 8 GiB holds
-    eight drafts' full replay buffers (512 MiB each) and their suffix indexes with room to spare."""
+    eight drafts' full replay buffers (512 MiB each) and their suffix indexes with room to spare.
+    The floor: the default draft alone counts 300-450 MB (its model, and after an update the
+    candidate and Adam's state), and drafts are never evicted, so a smaller budget leaves the
+    buffers and indexes nothing (measured: bench/soak_memory.py at 256 MiB emptied them)."""
     ram = physical_memory() or 4 * 2**30
-    return int(min(max(ram // 4, 256 * 2**20), 8 * 2**30))
+    return int(min(max(ram // 4, 2**30), 8 * 2**30))
 
 
 def parse_size(text: str | int) -> int:

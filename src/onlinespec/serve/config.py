@@ -66,7 +66,7 @@ class CoreConfig:
     max_buffer_bytes: int = 512 * 2**20  # the most bytes a draft's replay buffer keeps (oldest out first)
     suffix_tokens: int = 500_000  # the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)
     memory_budget: int | None = None  # bytes the replay buffers, suffix indexes and drafts may hold together
-    # (onlinespec.memory; None: a quarter of the machine's RAM, 256 MiB to 8 GiB)
+    # (onlinespec.memory; None: a quarter of the machine's RAM, 1 GiB to 8 GiB)
     served_model_name: str | None = None  # the name clients send and the vllm: metrics' model_name (None: model_name(target))
     max_model_len: int | None = None  # cap the context (prompt + output) at this many tokens (None: the model's own)
     chat_template: str | None = None  # the Jinja chat template to render messages with (None: the tokenizer's own)
