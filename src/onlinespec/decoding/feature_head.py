@@ -90,8 +90,12 @@ class FeatureHead(nn.Module):
         self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
         self.blocks = nn.ModuleList(SwiGLUBlock(hidden, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
         self.out_norm = RMSNorm(hidden, config.rms_eps)
-        self.register_buffer("embedding", embedding.detach(), persistent=False)
-        self.out_weight = out_weight.detach()  # the target's whole output layer (shared, never saved): rows for any vocabulary
+        if isinstance(embedding, torch.Tensor):
+            self.register_buffer("embedding", embedding.detach(), persistent=False)
+        else:  # rows read on demand from a GGUF target's file (onlinespec.ggufview.QuantizedRows)
+            self.embedding = embedding
+        # the target's whole output layer (shared, never saved): rows for any vocabulary
+        self.out_weight = out_weight.detach() if isinstance(out_weight, torch.Tensor) else out_weight
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)
         self.register_buffer("out_rows", torch.empty(0), persistent=False)
         self.register_buffer("restricted_index", torch.empty(0, dtype=torch.long), persistent=False)
@@ -119,7 +123,8 @@ class FeatureHead(nn.Module):
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """One draft step: the feature at t and the token at t + 1 -> the predicted feature at t + 1."""
-        x = torch.cat([self.in_norm_feature(feature.to(self.fuse.weight.dtype)), self.in_norm_token(self.embedding[token_ids])], -1)
+        feature = feature.to(self.fuse.weight.dtype)
+        x = torch.cat([self.in_norm_feature(feature), self.in_norm_token(self.embedding[token_ids].to(feature.device, feature.dtype))], -1)
         x = self.fuse(x)
         for block in self.blocks:
             x = block(x)
@@ -129,7 +134,7 @@ class FeatureHead(nn.Module):
         """Logits over the restricted vocabulary ``[..., V_r]`` (index with ``vocab_ids``)."""
         return feature @ self.out_rows.T
 
-    def clone(self) -> "FeatureHead":
+    def clone(self) -> FeatureHead:
         """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
         shared = (self.embedding, self.out_weight, self.out_rows, self.restricted_index, self.vocab_ids)
         return copy.deepcopy(self, {id(t): t for t in shared})
@@ -137,12 +142,13 @@ class FeatureHead(nn.Module):
     # ---- construction, saving, loading ----------------------------------------------------
 
     @classmethod
-    def for_target(cls, target: PreTrainedModel, vocab_ids: torch.Tensor, **overrides) -> "FeatureHead":
+    def for_target(cls, target: PreTrainedModel, vocab_ids: torch.Tensor, **overrides) -> FeatureHead:
         """A fresh head for ``target``; the fuse layer starts by passing the feature through, so
         the untrained head proposes what the target would after the previous token."""
         hidden = target.config.hidden_size
         config = FeatureHeadConfig(hidden_size=hidden, vocab_size=target.config.vocab_size, **overrides)
-        head = cls(config, target.get_input_embeddings().weight.float().cpu(), vocab_ids, target.get_output_embeddings().weight.float().cpu())
+        embedding, output = target_tables(target)
+        head = cls(config, embedding, vocab_ids, output)
         with torch.no_grad():
             head.fuse.weight.zero_()
             head.fuse.weight[:, :hidden] = torch.eye(hidden)
@@ -150,7 +156,7 @@ class FeatureHead(nn.Module):
         return head
 
     @classmethod
-    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = HEAD_VOCAB, **overrides) -> "FeatureHead":
+    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = HEAD_VOCAB, **overrides) -> FeatureHead:
         """A head for a target nobody trained one for (arXiv 2310.07177, section 4: the draft
         learns from the target's verifications of live traffic). Its vocabulary starts as the
         tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the
@@ -177,7 +183,7 @@ class FeatureHead(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], target: PreTrainedModel) -> "FeatureHead":
+    def load(cls, path: str | os.PathLike[str], target: PreTrainedModel) -> FeatureHead:
         path = Path(path)
         info = json.loads((path / CONFIG_FILE).read_text())
         config = FeatureHeadConfig(**info["config"])
@@ -187,13 +193,22 @@ class FeatureHead(nn.Module):
                 f"this target has {target.config.vocab_size}"
             )
         weights = load_file(str(path / WEIGHTS_FILE))
-        head = cls(config, target.get_input_embeddings().weight.float().cpu(), weights["vocab_ids"], target.get_output_embeddings().weight.float().cpu())
+        embedding, output = target_tables(target)
+        head = cls(config, embedding, weights["vocab_ids"], output)
         head.load_state_dict(weights)
         return head.eval()
 
     @staticmethod
     def info(path: str | os.PathLike[str]) -> dict:
         return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
+def target_tables(target) -> tuple:
+    """(embedding, output layer) of ``target`` as a head reads them: float32 tensors of a torch
+    model, or a GGUF target's rows read on demand (:mod:`onlinespec.ggufview`: no decoder loaded)."""
+    if hasattr(target, "head_tables"):
+        return target.head_tables()
+    return target.get_input_embeddings().weight.float().cpu(), target.get_output_embeddings().weight.float().cpu()
 
 
 def is_feature_head(path: str | os.PathLike[str]) -> bool:
