@@ -241,6 +241,14 @@ def truncated_target(target: PreTrainedModel, n_layers: int) -> PreTrainedModel:
     return draft
 
 
+def torch_model(target: LoadedModel) -> PreTrainedModel:
+    """``target``'s model in PyTorch, decoder layers included: its own, or, for a llama.cpp
+    target (which holds only the GGUF view, :mod:`onlinespec.ggufview`), loaded now from its file."""
+    if hasattr(target.model, "get_decoder"):
+        return target.model
+    return load_model(DEFAULT_TARGET if target.name == DEFAULT_TARGET_NAME else str(target.gguf_source)).model
+
+
 def load_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load a draft for ``target`` and check that the two share a tokenizer."""
     if spec.startswith(TRUNCATED_PREFIX):
@@ -248,7 +256,7 @@ def load_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype = "float
             n_layers = int(spec[len(TRUNCATED_PREFIX):])
         except ValueError:
             raise ValueError(f"bad draft spec {spec!r}: expected '{TRUNCATED_PREFIX}N' with N an integer") from None
-        return LoadedModel(truncated_target(target.model, n_layers), target.tokenizer, spec)
+        return LoadedModel(truncated_target(torch_model(target), n_layers), target.tokenizer, spec)
     draft = load_model(spec, dtype)
     check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
     return draft

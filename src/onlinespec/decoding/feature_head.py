@@ -41,6 +41,7 @@ CHAIN_DEPTH = 4  # draft steps training unrolls from one target feature: as many
 @dataclass
 class FeatureHeadConfig:
     hidden_size: int  # the target's hidden size
+    width: int = 0  # the body's width; 0: the target's hidden size (narrower: see FeatureHead)
     intermediate_size: int = 1024
     num_blocks: int = 2
     rms_eps: float = 1e-5
@@ -87,8 +88,11 @@ class FeatureHead(nn.Module):
         self.config = config
         self.in_norm_feature = RMSNorm(hidden, config.rms_eps)
         self.in_norm_token = RMSNorm(hidden, config.rms_eps)
-        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
-        self.blocks = nn.ModuleList(SwiGLUBlock(hidden, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
+        width = config.width or hidden
+        self.fuse = nn.Linear(2 * hidden, width, bias=False)
+        self.blocks = nn.ModuleList(SwiGLUBlock(width, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
+        # a narrower body adds its result, projected up, to the feature it read (zero at birth: the feature passes through)
+        self.up = nn.Linear(width, hidden, bias=False) if width != hidden else None
         self.out_norm = RMSNorm(hidden, config.rms_eps)
         if isinstance(embedding, torch.Tensor):
             self.register_buffer("embedding", embedding.detach(), persistent=False)
@@ -128,7 +132,7 @@ class FeatureHead(nn.Module):
         x = self.fuse(x)
         for block in self.blocks:
             x = block(x)
-        return self.out_norm(x)
+        return self.out_norm(x if self.up is None else feature + self.up(x))
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over the restricted vocabulary ``[..., V_r]`` (index with ``vocab_ids``)."""
@@ -150,18 +154,24 @@ class FeatureHead(nn.Module):
         embedding, output = target_tables(target)
         head = cls(config, embedding, vocab_ids, output)
         with torch.no_grad():
+            if head.up is not None:  # narrower: the feature passes through the residual, the body starts at zero
+                head.up.weight.zero_()
+                return head
             head.fuse.weight.zero_()
             head.fuse.weight[:, :hidden] = torch.eye(hidden)
             head.fuse.weight[:, hidden:] = 0.1 * torch.eye(hidden)
         return head
 
     @classmethod
-    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = HEAD_VOCAB, **overrides) -> FeatureHead:
+    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int | None = None, **overrides) -> FeatureHead:
         """A head for a target nobody trained one for (arXiv 2310.07177, section 4: the draft
         learns from the target's verifications of live traffic). Its vocabulary starts as the
         tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the
         tokenizer's training text) plus ``eos_ids``, and is chosen again from served text at each
-        update (:func:`frequent_vocab`)."""
+        update (:func:`frequent_vocab`). Its width and vocabulary size (unless given) follow the
+        target's size (:func:`fresh_shape`)."""
+        shape = fresh_shape(target.config.hidden_size)
+        vocab_size, overrides = vocab_size or shape["vocab_size"], {"width": shape["width"], **overrides}
         start = frequent_vocab(torch.zeros(target.config.vocab_size), vocab_size, eos_ids)
         return cls.for_target(target, start, vocab_from_traffic=True, keep_ids=sorted(eos_ids), **overrides)
 
@@ -201,6 +211,20 @@ class FeatureHead(nn.Module):
     @staticmethod
     def info(path: str | os.PathLike[str]) -> dict:
         return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
+# A target wider than NARROW_FROM (a 1.5B has 1,536) gets a fresh head that is narrower than itself
+# and reads fewer output rows: at the target's width, with 8,192 rows, a head's drafted token costs
+# about 27M multiply-adds, a large share of a 1.5B's ~50 ms step on a 2-core CPU (docs/backends.md).
+NARROW_FROM = 1024
+NARROW_WIDTH, NARROW_VOCAB = 512, 4096
+
+
+def fresh_shape(hidden_size: int) -> dict:
+    """The body width and vocabulary size of a fresh head for a target of ``hidden_size``."""
+    if hidden_size > NARROW_FROM:
+        return {"width": NARROW_WIDTH, "vocab_size": NARROW_VOCAB}
+    return {"width": 0, "vocab_size": HEAD_VOCAB}
 
 
 def target_tables(target) -> tuple:
