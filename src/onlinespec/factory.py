@@ -151,7 +151,7 @@ def engine_options(target: LoadedModel, k: int, pad: bool = True, adaptive: bool
     """
     width = max(8, k + 4)
     if not (pad or adaptive):
-        if kernels:
+        if kernels and target.backend != "llama.cpp":  # llama.cpp's forwards run none of torch's linear layers
             small_batch.use_small_batch_kernels(target.model, max_width=width)
         return {"pad": False}
     curve = calibrate(target, kernels, width, k + 2, batch_sizes(max_batch))

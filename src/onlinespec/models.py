@@ -53,8 +53,9 @@ class LoadedModel:
     """A causal LM ready for decoding, with the tokenizer it was trained with.
 
     ``backend``: what runs a target's forwards (:mod:`onlinespec.backends`); with ``llama.cpp``,
-    ``llama`` holds the GGUF file as llama.cpp loaded it and ``model`` serves the tokenizer's side:
-    config, generation config, and the embeddings a feature head borrows."""
+    ``llama`` holds the GGUF file as llama.cpp loaded it and ``model`` is a
+    :class:`~onlinespec.ggufview.GGUFTarget`: config, generation config, and the embedding and
+    output rows a feature head borrows, read from the GGUF file with no decoder layers."""
 
     model: PreTrainedModel
     tokenizer: object  # a transformers tokenizer
@@ -167,17 +168,22 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
     gguf = default_gguf_path() if spec == DEFAULT_TARGET else Path(spec).expanduser()
     gguf = gguf if gguf.suffix == ".gguf" else None
     backend = resolve_backend(backend, gguf is not None, device)
+    if backend == "llama.cpp":
+        from onlinespec.decoding.runners.llamacpp import LlamaCppModel
+        from onlinespec.formats import served_file
+        from onlinespec.ggufview import load_gguf_view
+
+        # llama.cpp runs the forwards: torch holds only config, tokenizer and the rows a head reads
+        model, tokenizer = load_gguf_view(gguf)
+        loaded = LoadedModel(model=model, tokenizer=tokenizer, name=DEFAULT_TARGET_NAME if spec == DEFAULT_TARGET else spec,
+                             backend=backend, gguf_source=gguf, gguf=served_file(gguf, target_format, acceptance=expected_acceptance))
+        loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
+        return loaded
     loaded = load_model(spec, resolve_dtype_name(dtype, device))
     loaded.backend, loaded.gguf, loaded.gguf_source = backend, gguf, gguf
     if device != "cpu":
         loaded.model.to(device)
-    if backend == "llama.cpp":
-        from onlinespec.decoding.runners.llamacpp import LlamaCppModel
-        from onlinespec.formats import served_file
-
-        loaded.gguf_source, loaded.gguf = gguf, served_file(gguf, target_format, acceptance=expected_acceptance)
-        loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
-    elif target_format != "as-is":
+    if target_format != "as-is":
         raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "
                          "formats are llama.cpp's (serve a .gguf target on --backend llama.cpp)")
     return loaded
@@ -239,6 +245,14 @@ def truncated_target(target: PreTrainedModel, n_layers: int) -> PreTrainedModel:
     return draft
 
 
+def torch_model(target: LoadedModel) -> PreTrainedModel:
+    """``target``'s model in PyTorch, decoder layers included: its own, or, for a llama.cpp
+    target (which holds only the GGUF view, :mod:`onlinespec.ggufview`), loaded now from its file."""
+    if hasattr(target.model, "get_decoder"):
+        return target.model
+    return load_model(DEFAULT_TARGET if target.name == DEFAULT_TARGET_NAME else str(target.gguf_source)).model
+
+
 def load_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype = "float32") -> LoadedModel:
     """Load a draft for ``target`` and check that the two share a tokenizer."""
     if spec.startswith(TRUNCATED_PREFIX):
@@ -246,7 +260,7 @@ def load_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype = "float
             n_layers = int(spec[len(TRUNCATED_PREFIX):])
         except ValueError:
             raise ValueError(f"bad draft spec {spec!r}: expected '{TRUNCATED_PREFIX}N' with N an integer") from None
-        return LoadedModel(truncated_target(target.model, n_layers), target.tokenizer, spec)
+        return LoadedModel(truncated_target(torch_model(target), n_layers), target.tokenizer, spec)
     draft = load_model(spec, dtype)
     check_same_tokenizer(target.tokenizer, draft.tokenizer, target.name, draft.name)
     return draft

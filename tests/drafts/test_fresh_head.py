@@ -71,6 +71,25 @@ def test_a_fresh_head_chooses_its_vocabulary_from_served_text_and_reloads_it(tin
     assert torch.equal(again.vocab_ids, copy.vocab_ids) and again.config.vocab_from_traffic and again.config.keep_ids == [63]
 
 
+def test_a_head_born_from_a_wide_target_is_narrower_passes_the_feature_through_and_reloads(tiny_llama, tmp_path, monkeypatch):
+    import onlinespec.decoding.feature_head as fh
+
+    target = tiny_llama(seed=0, vocab_size=64, hidden_size=16)
+    monkeypatch.setattr(fh, "NARROW_FROM", 8)  # a 1.5B's 1,536 is wide; a 16-wide tiny model stands in for it
+    monkeypatch.setattr(fh, "NARROW_WIDTH", 4)
+    head = FeatureHead.fresh(target, eos_ids=[63], vocab_size=8)
+    assert head.config.width == 4 and head.fuse.weight.shape == (4, 32) and head.up.weight.shape == (16, 4)
+    assert head.blocks[0].gate_up.weight.shape[1] == 4
+    feature = torch.randn(3, 16)
+    with torch.no_grad():  # at birth the body adds nothing: the head proposes from the feature it read
+        assert torch.allclose(head.step(feature, torch.tensor([1, 2, 3])), head.out_norm(feature))
+        head.up.weight.normal_()
+    head.save(tmp_path / "narrow")
+    again = FeatureHead.load(tmp_path / "narrow", target)
+    tokens = torch.tensor([1, 2, 3])
+    assert again.config.width == 4 and torch.equal(again.step(feature, tokens), head.step(feature, tokens))
+
+
 def test_any_target_is_served_at_once_learns_and_stays_lossless(other_target, tmp_path, monkeypatch):
     from onlinespec.data import Query
     from onlinespec.factory import load_decoder
@@ -106,7 +125,7 @@ def test_a_fresh_baseline_needs_a_learning_head_draft_outside_content_routing():
     from onlinespec.stream import OnlineConfig
 
     assert CoreConfig(fresh_baseline=True).fresh_draft == "hybrid:fresh"
-    for options in (dict(draft="ngram"), dict(router="content"), dict(learn=False)):
+    for options in ({"draft": "ngram"}, {"router": "content"}, {"learn": False}):
         with pytest.raises(ValueError, match="needs --draft hybrid or head"):
             CoreConfig(fresh_baseline=True, **options)
     with pytest.raises(ValueError, match="give compare_every >= 1"):

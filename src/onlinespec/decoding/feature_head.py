@@ -41,6 +41,7 @@ CHAIN_DEPTH = 4  # draft steps training unrolls from one target feature: as many
 @dataclass
 class FeatureHeadConfig:
     hidden_size: int  # the target's hidden size
+    width: int = 0  # the body's width; 0: the target's hidden size (narrower: see FeatureHead)
     intermediate_size: int = 1024
     num_blocks: int = 2
     rms_eps: float = 1e-5
@@ -87,11 +88,18 @@ class FeatureHead(nn.Module):
         self.config = config
         self.in_norm_feature = RMSNorm(hidden, config.rms_eps)
         self.in_norm_token = RMSNorm(hidden, config.rms_eps)
-        self.fuse = nn.Linear(2 * hidden, hidden, bias=False)
-        self.blocks = nn.ModuleList(SwiGLUBlock(hidden, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
+        width = config.width or hidden
+        self.fuse = nn.Linear(2 * hidden, width, bias=False)
+        self.blocks = nn.ModuleList(SwiGLUBlock(width, config.intermediate_size, config.rms_eps) for _ in range(config.num_blocks))
+        # a narrower body adds its result, projected up, to the feature it read (zero at birth: the feature passes through)
+        self.up = nn.Linear(width, hidden, bias=False) if width != hidden else None
         self.out_norm = RMSNorm(hidden, config.rms_eps)
-        self.register_buffer("embedding", embedding.detach(), persistent=False)
-        self.out_weight = out_weight.detach()  # the target's whole output layer (shared, never saved): rows for any vocabulary
+        if isinstance(embedding, torch.Tensor):
+            self.register_buffer("embedding", embedding.detach(), persistent=False)
+        else:  # rows read on demand from a GGUF target's file (onlinespec.ggufview.QuantizedRows)
+            self.embedding = embedding
+        # the target's whole output layer (shared, never saved): rows for any vocabulary
+        self.out_weight = out_weight.detach() if isinstance(out_weight, torch.Tensor) else out_weight
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)
         self.register_buffer("out_rows", torch.empty(0), persistent=False)
         self.register_buffer("restricted_index", torch.empty(0, dtype=torch.long), persistent=False)
@@ -119,17 +127,18 @@ class FeatureHead(nn.Module):
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """One draft step: the feature at t and the token at t + 1 -> the predicted feature at t + 1."""
-        x = torch.cat([self.in_norm_feature(feature.to(self.fuse.weight.dtype)), self.in_norm_token(self.embedding[token_ids])], -1)
+        feature = feature.to(self.fuse.weight.dtype)
+        x = torch.cat([self.in_norm_feature(feature), self.in_norm_token(self.embedding[token_ids].to(feature.device, feature.dtype))], -1)
         x = self.fuse(x)
         for block in self.blocks:
             x = block(x)
-        return self.out_norm(x)
+        return self.out_norm(x if self.up is None else feature + self.up(x))
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over the restricted vocabulary ``[..., V_r]`` (index with ``vocab_ids``)."""
         return feature @ self.out_rows.T
 
-    def clone(self) -> "FeatureHead":
+    def clone(self) -> FeatureHead:
         """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
         shared = (self.embedding, self.out_weight, self.out_rows, self.restricted_index, self.vocab_ids)
         return copy.deepcopy(self, {id(t): t for t in shared})
@@ -137,25 +146,32 @@ class FeatureHead(nn.Module):
     # ---- construction, saving, loading ----------------------------------------------------
 
     @classmethod
-    def for_target(cls, target: PreTrainedModel, vocab_ids: torch.Tensor, **overrides) -> "FeatureHead":
+    def for_target(cls, target: PreTrainedModel, vocab_ids: torch.Tensor, **overrides) -> FeatureHead:
         """A fresh head for ``target``; the fuse layer starts by passing the feature through, so
         the untrained head proposes what the target would after the previous token."""
         hidden = target.config.hidden_size
         config = FeatureHeadConfig(hidden_size=hidden, vocab_size=target.config.vocab_size, **overrides)
-        head = cls(config, target.get_input_embeddings().weight.float().cpu(), vocab_ids, target.get_output_embeddings().weight.float().cpu())
+        embedding, output = target_tables(target)
+        head = cls(config, embedding, vocab_ids, output)
         with torch.no_grad():
+            if head.up is not None:  # narrower: the feature passes through the residual, the body starts at zero
+                head.up.weight.zero_()
+                return head
             head.fuse.weight.zero_()
             head.fuse.weight[:, :hidden] = torch.eye(hidden)
             head.fuse.weight[:, hidden:] = 0.1 * torch.eye(hidden)
         return head
 
     @classmethod
-    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int = HEAD_VOCAB, **overrides) -> "FeatureHead":
+    def fresh(cls, target: PreTrainedModel, eos_ids: list[int], vocab_size: int | None = None, **overrides) -> FeatureHead:
         """A head for a target nobody trained one for (arXiv 2310.07177, section 4: the draft
         learns from the target's verifications of live traffic). Its vocabulary starts as the
         tokenizer's first ``vocab_size`` ids (byte-pair merges come in order of frequency in the
         tokenizer's training text) plus ``eos_ids``, and is chosen again from served text at each
-        update (:func:`frequent_vocab`)."""
+        update (:func:`frequent_vocab`). Its width and vocabulary size (unless given) follow the
+        target's size (:func:`fresh_shape`)."""
+        shape = fresh_shape(target.config.hidden_size)
+        vocab_size, overrides = vocab_size or shape["vocab_size"], {"width": shape["width"], **overrides}
         start = frequent_vocab(torch.zeros(target.config.vocab_size), vocab_size, eos_ids)
         return cls.for_target(target, start, vocab_from_traffic=True, keep_ids=sorted(eos_ids), **overrides)
 
@@ -177,7 +193,7 @@ class FeatureHead(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], target: PreTrainedModel) -> "FeatureHead":
+    def load(cls, path: str | os.PathLike[str], target: PreTrainedModel) -> FeatureHead:
         path = Path(path)
         info = json.loads((path / CONFIG_FILE).read_text())
         config = FeatureHeadConfig(**info["config"])
@@ -187,13 +203,36 @@ class FeatureHead(nn.Module):
                 f"this target has {target.config.vocab_size}"
             )
         weights = load_file(str(path / WEIGHTS_FILE))
-        head = cls(config, target.get_input_embeddings().weight.float().cpu(), weights["vocab_ids"], target.get_output_embeddings().weight.float().cpu())
+        embedding, output = target_tables(target)
+        head = cls(config, embedding, weights["vocab_ids"], output)
         head.load_state_dict(weights)
         return head.eval()
 
     @staticmethod
     def info(path: str | os.PathLike[str]) -> dict:
         return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
+# A target wider than NARROW_FROM (a 1.5B has 1,536) gets a fresh head that is narrower than itself
+# and reads fewer output rows: at the target's width, with 8,192 rows, a head's drafted token costs
+# about 27M multiply-adds, a large share of a 1.5B's ~50 ms step on a 2-core CPU (docs/backends.md).
+NARROW_FROM = 1024
+NARROW_WIDTH, NARROW_VOCAB = 512, 4096
+
+
+def fresh_shape(hidden_size: int) -> dict:
+    """The body width and vocabulary size of a fresh head for a target of ``hidden_size``."""
+    if hidden_size > NARROW_FROM:
+        return {"width": NARROW_WIDTH, "vocab_size": NARROW_VOCAB}
+    return {"width": 0, "vocab_size": HEAD_VOCAB}
+
+
+def target_tables(target) -> tuple:
+    """(embedding, output layer) of ``target`` as a head reads them: float32 tensors of a torch
+    model, or a GGUF target's rows read on demand (:mod:`onlinespec.ggufview`: no decoder loaded)."""
+    if hasattr(target, "head_tables"):
+        return target.head_tables()
+    return target.get_input_embeddings().weight.float().cpu(), target.get_output_embeddings().weight.float().cpu()
 
 
 def is_feature_head(path: str | os.PathLike[str]) -> bool:

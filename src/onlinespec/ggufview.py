@@ -1,0 +1,174 @@
+"""A GGUF target's torch side, without its decoder: what the drafts need when llama.cpp runs it.
+
+On the llama.cpp backend the target's forwards are llama.cpp's (docs/backends.md). The rest of
+the system still needs, from the model: its config (hidden size, vocabulary, layers), its
+generation config (EOS ids), its tokenizer, and the rows of its embedding and output tables that
+a feature head reads (a head is born from the target: :meth:`FeatureHead.for_target`). Loading
+the whole model in PyTorch for that cost 540 MB for the 135M default and about 6 GB (fp32) for a
+1.5B; :func:`load_gguf_view` loads only those:
+
+- config, generation config and tokenizer from the GGUF metadata (transformers' GGUF readers),
+  saved once as a small folder in the cache (the packaged default's converted folder serves as
+  its own), so a later start reads no token list from the GGUF again;
+- the embedding (``token_embd.weight``) and output (``output.weight``; the embedding when tied)
+  tables as :class:`QuantizedRows`: a read-only memory map of the quantized bytes in the GGUF
+  file (the same pages llama.cpp maps), dequantized row by row when read (``gguf``'s numpy
+  kernels, the ones transformers' GGUF loader uses: the same float32 values as a torch load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from onlinespec.storage import atomic_write, cache_dir
+
+TABLES = {"embedding": "token_embd.weight", "output": "output.weight"}
+TABLES_FILE = "gguf_tables.json"  # in the metadata folder: where the tables lie in the GGUF file
+
+
+class QuantizedRows:
+    """The rows of a ``[rows, cols]`` GGUF tensor, dequantized to float32 when indexed.
+
+    ``rows[ids]`` is a float32 tensor of shape ``ids.shape + (cols,)``; nothing else of the table
+    is ever materialised (the memory map's pages are shared with llama.cpp's map of the file)."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, path: str | Path, offset: int, qtype: int, rows: int, cols: int) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path, self.qtype = Path(path), GGMLQuantizationType(qtype)
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        self.shape = torch.Size((rows, cols))
+        self._data = np.memmap(self.path, np.uint8, "r", offset, shape=(rows, cols // block * size))
+        self._cache: torch.Tensor | None = None
+        self._filled: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        """Rows ``ids`` (a tensor, array or list of ids) as float32, ``ids.shape + (cols,)``.
+
+        Each row is dequantized once, on its first read, into a float32 cache of the table's
+        shape whose memory is taken lazily (an untouched page is never resident): a head pays
+        memory only for the tokens it has read, and a repeated read is an index."""
+        index = ids.detach().cpu() if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+        flat = index.reshape(-1).long()
+        if self._cache is None:
+            self._cache = torch.empty(self.shape, dtype=torch.float32)  # large: malloc maps it, pages come on first touch
+            self._filled = torch.zeros(self.shape[0], dtype=torch.bool)
+        missing = torch.unique(flat[~self._filled[flat]])
+        if len(missing):
+            from gguf.quants import dequantize
+
+            rows = dequantize(np.asarray(self._data[missing.numpy()]), self.qtype)
+            self._cache[missing] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+            self._filled[missing] = True
+        return self._cache[flat].reshape(*index.shape, self.shape[1])
+
+class GGUFTarget(nn.Module):
+    """The target's config, generation config and tables, with no decoder (llama.cpp runs it)."""
+
+    def __init__(self, config, generation_config, embedding: QuantizedRows, output: QuantizedRows) -> None:
+        super().__init__()
+        self.config, self.generation_config = config, generation_config
+        self.embedding, self.output = embedding, output
+        # what asks a model for its dtype and device (a calibration key, LoadedModel.device) finds the CPU, float32
+        self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def head_tables(self) -> tuple[QuantizedRows, QuantizedRows]:
+        """(embedding, output) rows for a feature head (:meth:`FeatureHead.for_target`)."""
+        return self.embedding, self.output
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this target's forwards run on llama.cpp (the GGUF view holds no decoder layers): "
+                           "load it with --backend torch to run it in PyTorch")
+
+
+def meta_dir(gguf: Path) -> Path:
+    """The folder of ``gguf``'s config, generation config and tokenizer (made once)."""
+    from onlinespec.models import DEFAULT_GGUF_FILE, default_gguf_path, default_target_dir
+
+    if gguf.name == DEFAULT_GGUF_FILE and gguf.resolve() == default_gguf_path().resolve():  # only the default has that name
+        return default_target_dir()  # the default's converted folder: the same files a torch load reads
+    out = cache_dir() / "models" / "gguf-meta" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if not (out / "config.json").exists():
+        _write_meta(gguf, out)
+    return out
+
+
+def _write_meta(gguf: Path, out: Path) -> None:
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.__dict__.pop("quantization_config", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        (tmp / "onlinespec_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        tmp.chmod(0o755)
+        if out.exists():  # another process made it first: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def tables(gguf: Path, folder: Path) -> dict[str, QuantizedRows]:
+    """The embedding and output tables of ``gguf`` (their places read once, then kept in ``folder``)."""
+    record = folder / TABLES_FILE
+    size = gguf.stat().st_size
+    places = json.loads(record.read_text()) if record.exists() else {}
+    if places.get("size") != size or places.get("file") != gguf.name:
+        from gguf import GGUFReader
+
+        found = {t.name: t for t in GGUFReader(gguf).tensors}
+        if TABLES["embedding"] not in found:
+            raise ValueError(f"{gguf} has no {TABLES['embedding']} tensor: not a decoder LM llama.cpp serves?")
+        places = {"file": gguf.name, "size": size}
+        for role, name in TABLES.items():
+            if name in found:  # GGUF shapes are (cols, rows)
+                t = found[name]
+                places[role] = {"offset": int(t.data_offset), "qtype": int(t.tensor_type), "rows": int(t.shape[1]), "cols": int(t.shape[0])}
+        try:
+            atomic_write(record, json.dumps(places))
+        except OSError:  # a read-only cache: read the places again next time
+            pass
+    embedding = QuantizedRows(gguf, **places["embedding"])
+    output = QuantizedRows(gguf, **places["output"]) if "output" in places else embedding  # tied
+    return {"embedding": embedding, "output": output}
+
+
+def load_gguf_view(gguf: str | Path):
+    """(a :class:`GGUFTarget` of ``gguf``, its transformers tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    gguf = Path(gguf)
+    folder = meta_dir(gguf)
+    config = AutoConfig.from_pretrained(folder)
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    found = tables(gguf, folder)
+    return GGUFTarget(config, generation, found["embedding"], found["output"]), AutoTokenizer.from_pretrained(folder)
