@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "onlinespec"
 FLOORS = [
     {"cpu", "safety", "tokens", "weights", "metrics", "costmodel", "storage", "backends", "memory"},  # plumbing
     {"decoding"},  # the lossless engine, its runners and drafters
-    {"models", "formats"},  # loading targets and drafts onto a runner; the target's weight format
+    {"models", "formats", "ggufview", "assemble"},  # loading targets and drafts onto a runner; the target's weight format
     {"data"},  # query sources and streams
     {"distill"},  # losses, the target's signal, offline training
     {"drafts"},  # draft heads: warm-up, bulk, specialisation

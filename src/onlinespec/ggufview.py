@@ -98,10 +98,6 @@ class GGUFTarget(nn.Module):
 
 def meta_dir(gguf: Path) -> Path:
     """The folder of ``gguf``'s config, generation config and tokenizer (made once)."""
-    from onlinespec.models import DEFAULT_GGUF_FILE, default_gguf_path, default_target_dir
-
-    if gguf.name == DEFAULT_GGUF_FILE and gguf.resolve() == default_gguf_path().resolve():  # only the default has that name
-        return default_target_dir()  # the default's converted folder: the same files a torch load reads
     out = cache_dir() / "models" / "gguf-meta" / f"{gguf.stem}-{gguf.stat().st_size}"
     if not (out / "config.json").exists():
         _write_meta(gguf, out)
@@ -159,12 +155,14 @@ def tables(gguf: Path, folder: Path) -> dict[str, QuantizedRows]:
     return {"embedding": embedding, "output": output}
 
 
-def load_gguf_view(gguf: str | Path):
-    """(a :class:`GGUFTarget` of ``gguf``, its transformers tokenizer)."""
+def load_gguf_view(gguf: str | Path, folder: Path | None = None):
+    """(a :class:`GGUFTarget` of ``gguf``, its transformers tokenizer); ``folder``: where its
+    config and tokenizer already are (the packaged default's converted folder), else made once
+    from the GGUF's metadata (:func:`meta_dir`)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf = Path(gguf)
-    folder = meta_dir(gguf)
+    folder = folder or meta_dir(gguf)
     config = AutoConfig.from_pretrained(folder)
     try:
         generation = GenerationConfig.from_pretrained(folder)

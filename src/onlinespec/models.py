@@ -174,7 +174,8 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
         from onlinespec.ggufview import load_gguf_view
 
         # llama.cpp runs the forwards: torch holds only config, tokenizer and the rows a head reads
-        model, tokenizer = load_gguf_view(gguf)
+        default = gguf.name == DEFAULT_GGUF_FILE and gguf.resolve() == default_gguf_path().resolve()  # only the default has that name
+        model, tokenizer = load_gguf_view(gguf, default_target_dir() if default else None)  # the default: the files a torch load reads
         loaded = LoadedModel(model=model, tokenizer=tokenizer, name=DEFAULT_TARGET_NAME if spec == DEFAULT_TARGET else spec,
                              backend=backend, gguf_source=gguf, gguf=served_file(gguf, target_format, acceptance=expected_acceptance))
         loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
