@@ -76,7 +76,7 @@ def conversation(c: openai.OpenAI) -> tuple[list[str], list[int]]:
 
 
 def metric(server, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics", timeout=60).text.splitlines():
+    for line in httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60).text.splitlines():
         if line.startswith((name + "{", name + " ")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} is not on /metrics")
