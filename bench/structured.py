@@ -100,8 +100,8 @@ def main() -> None:
     files = schema_files(args.schemas)[: args.limit or None]
     for path in files:
         schema = json.loads(path.read_text())
-        constraint = Constraint.json_schema(schema)
-        try:
+        try:  # a schema past the size limit is refused as it is built, one past llguidance's as it compiles
+            constraint = Constraint.json_schema(schema)
             compile_constraint(constraint, target.tokenizer, alone.eos_token_ids)
         except GrammarError as err:
             refused[path.name] = str(err)[:300]
