@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from onlinespec.storage import atomic_write, cache_dir
+from onlinespec.storage import atomic_write, cache_dir, staged_dir
 
 TABLES = {"embedding": "token_embd.weight", "output": "output.weight"}
 TABLES_FILE = "gguf_tables.json"  # in the metadata folder: where the tables lie in the GGUF file
@@ -105,29 +105,16 @@ def meta_dir(gguf: Path) -> Path:
 
 
 def _write_meta(gguf: Path, out: Path) -> None:
-    import shutil
-    import tempfile
-
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     config.__dict__.pop("quantization_config", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         (tmp / "onlinespec_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        tmp.chmod(0o755)
-        if out.exists():  # another process made it first: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def tables(gguf: Path, folder: Path) -> dict[str, QuantizedRows]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +23,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from onlinespec.storage import cache_dir  # its old home: callers import it from here too
+from onlinespec.storage import (
+    cache_dir,  # its old home: callers import it from here too
+    staged_dir,
+)
 
 hf_logging.disable_progress_bar()  # our own progress display is enough
 
@@ -134,20 +135,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict(), strict=False)
     fresh.tie_weights()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
+    with staged_dir(out_dir) as tmp:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "onlinespec_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-        if out_dir.exists():  # another process won the race: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

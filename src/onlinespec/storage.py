@@ -23,6 +23,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -59,6 +60,26 @@ def commit(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_dir(Path(path).parent)
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike[str]):
+    """Build a folder beside its final place and rename it into place when the block ends, so a
+    crash never leaves half of it; if another process made ``out`` first, theirs is kept. Yields
+    the temporary folder (mode 0755); on an error it is removed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if out.exists():  # another process won the race: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def set_aside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
