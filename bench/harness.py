@@ -245,7 +245,9 @@ def stream_chat(base_url, messages: str | Sequence[dict], max_tokens: int, model
     tokens - 1; None under two tokens), total_s, text, completion_tokens, tokens_from ("usage":
     the server's stream_options usage; "chunks": no usage came, so content chunks were counted,
     one token each, which a server that sends several tokens per chunk undercounts),
-    prompt_tokens (None without usage), finish_reason and the perf_counter start and end."""
+    prompt_tokens (None without usage), finish_reason and the perf_counter start and end; with
+    ``logprobs=True, top_logprobs=n`` (chat), logprobs: per token ``[token, logprob, [[token,
+    logprob], ...]]``."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     return _timed(base_url, "chat", list(messages), max_tokens, model, extra)
@@ -267,11 +269,14 @@ def _timed(base_url, kind: str, content, max_tokens: int, model: str | None, ext
         stream = api.chat.completions.create(messages=content, **kwargs)
     else:
         stream = api.completions.create(prompt=content, **kwargs)
-    first, pieces, usage, finish = None, [], None, None
+    first, pieces, usage, finish, logprobs = None, [], None, None, []
     for chunk in stream:
         usage = chunk.usage or usage
         if chunk.choices:
             choice = chunk.choices[0]
+            if choice.logprobs is not None:  # asked for (logprobs=True, top_logprobs=n): [token, logprob, [[token, logprob], ...]]
+                entries = choice.logprobs.content if kind == "chat" else None
+                logprobs += [[e.token, e.logprob, [[t.token, t.logprob] for t in e.top_logprobs or []]] for e in entries or []]
             piece = choice.delta.content if kind == "chat" else choice.text
             finish = choice.finish_reason or finish
             if piece:
@@ -281,7 +286,8 @@ def _timed(base_url, kind: str, content, max_tokens: int, model: str | None, ext
     tokens = usage.completion_tokens if usage else len(pieces)
     return {"ttft_s": (first or end) - started, "tpot_s": (end - first) / (tokens - 1) if first and tokens > 1 else None,
             "total_s": end - started, "text": "".join(pieces), "completion_tokens": tokens, "tokens_from": "usage" if usage else "chunks",
-            "prompt_tokens": usage.prompt_tokens if usage else None, "finish_reason": finish, "start": started, "end": end}
+            "prompt_tokens": usage.prompt_tokens if usage else None, "finish_reason": finish, "start": started, "end": end,
+            **({"logprobs": logprobs} if logprobs else {})}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -69,11 +69,11 @@ def run_conversation(url: str, turns: list[str], max_tokens: int, config: str, i
     messages, rows = [], []
     for t, user in enumerate(turns):
         messages.append({"role": "user", "content": user})
-        timing = harness.stream_chat(url, messages, max_tokens)
+        timing = harness.stream_chat(url, messages, max_tokens, logprobs=True, top_logprobs=2)
         messages.append({"role": "assistant", "content": timing["text"]})
         rows.append({"config": config, "conversation": index, "turn": t + 1, "ttft_s": timing["ttft_s"], "total_s": timing["total_s"],
                      "prompt_tokens": timing["prompt_tokens"], "completion_tokens": timing["completion_tokens"], "text": timing["text"],
-                     "at": time.time()})
+                     "logprobs": timing.get("logprobs"), "at": time.time()})
     return rows
 
 
@@ -84,19 +84,41 @@ def p50(rows: list[dict], config: str) -> float | None:
 
 def identity(rows: list[dict]) -> dict:
     """Greedy text on and off, turn by turn (a conversation compared up to its first difference:
-    past it the two sides send different conversations)."""
-    text = {(r["config"], r["conversation"], r["turn"]): r["text"] for r in rows}
+    past it the two sides send different conversations). Where a turn differs, the top-2 logprob
+    gap at its first differing token on each side: a gap under the near-tie bound means the two
+    computations of the same prompt (its prefix from cached cells, or prefilled whole) differ by
+    llama.cpp's float rounding only, and the target's choice there was a coin toss."""
+    from onlinespec.benchmark import NEAR_TIE
+
+    found = {(r["config"], r["conversation"], r["turn"]): r for r in rows}
     same = compared = 0
-    parted = {}
-    for (config, conv, turn), on in sorted(text.items()):
-        if config != "cache-on" or ("cache-off", conv, turn) not in text or conv in parted:
+    parted, gaps = {}, []
+    for (config, conv, turn), on in sorted(found.items()):
+        if config != "cache-on" or ("cache-off", conv, turn) not in found or conv in parted:
             continue
         compared += 1
-        if on == text[("cache-off", conv, turn)]:
+        off = found[("cache-off", conv, turn)]
+        if on["text"] == off["text"]:
             same += 1
-        else:
-            parted[conv] = turn
-    return {"turns_compared": compared, "turns_identical": same, "first_different_turn": parted}
+            continue
+        parted[conv] = turn
+        gaps.append({"conversation": conv, "turn": turn, **first_difference(on.get("logprobs") or [], off.get("logprobs") or [])})
+    ties = [g for g in gaps if g.get("gap_off") is not None and max(g["gap_on"], g["gap_off"]) <= NEAR_TIE["gguf"]]
+    return {"turns_compared": compared, "turns_identical": same, "first_different_turn": parted, "divergences": gaps,
+            "near_tie_bound": NEAR_TIE["gguf"], "divergences_at_near_ties": len(ties)}
+
+
+def first_difference(on: list, off: list) -> dict:
+    """Where two greedy token streams first differ, and each side's top-2 logprob gap there."""
+    at = next((i for i, (a, b) in enumerate(zip(on, off)) if a[0] != b[0]), None)
+    if at is None:
+        return {"token": None, "gap_on": None, "gap_off": None}
+
+    def gap(entry) -> float | None:
+        top = sorted((lp for _, lp in entry[2]), reverse=True)
+        return top[0] - top[1] if len(top) > 1 else None
+
+    return {"token": at, "on": on[at][0], "off": off[at][0], "gap_on": gap(on[at]), "gap_off": gap(off[at])}
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ calls :meth:`MemoryBudget.check`, which enforces the policy:
    buffers cannot give enough, the largest suffix index sheds as above.
 
 Drafts are counted, not evicted here: how many are in memory is content routing's bound
-(``--max-drafts``). Every eviction is an event (``memory_evicted``: the holder's kind and name,
+(``--max-drafts``). So are the prefix cache's KV cells (:class:`PrefixCacheMemory`): their bound
+is ``--prefix-cache-cells``, and its own LRU evicts them. Every eviction is an event (``memory_evicted``: the holder's kind and name,
 what it dropped, the bytes before and after) and counts in :attr:`MemoryBudget.evictions`, by
 kind; ``/metrics`` shows the budget, the bytes used by kind and the evictions
 (:mod:`onlinespec.serve.metrics`).
@@ -38,7 +39,7 @@ from typing import Protocol
 
 log = logging.getLogger("onlinespec.memory")
 
-KINDS = ("replay_buffer", "suffix_index", "draft")  # the only labels /metrics ever shows
+KINDS = ("replay_buffer", "suffix_index", "draft", "prefix_cache")  # the only labels /metrics ever shows
 SUFFIX_SHARE = 0.25  # of the budget, the most the suffix indexes may use together
 SLACK = 0.9  # a suffix index sheds down to this fraction of its allowance (a rebuild per shed)
 _UNITS = {"": 2**20, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -224,6 +225,24 @@ class DraftMemory:
         if time.monotonic() - self._at >= self.every:
             self._bytes, self._at = tensors_bytes(self.objects()), time.monotonic()
         return self._bytes
+
+    def shed(self, nbytes: int) -> None:
+        return None
+
+
+class PrefixCacheMemory:
+    """A llama.cpp runner's prefix cache as a holder (kind ``prefix_cache``): the KV cells its
+    entries hold, at ``cell_bytes`` each (:mod:`onlinespec.decoding.prefix_cache`). Never sheds
+    here: the cache evicts least recently used entries past its own budget (``--prefix-cache-cells``),
+    and the cells live in llama.cpp's context, allocated when the server starts."""
+
+    memory_kind = "prefix_cache"
+
+    def __init__(self, name: str, cache, cell_bytes: int) -> None:
+        self.memory_name, self.cache, self.cell_bytes = name, cache, cell_bytes
+
+    def memory_bytes(self) -> int:
+        return self.cache.cells * self.cell_bytes
 
     def shed(self, nbytes: int) -> None:
         return None

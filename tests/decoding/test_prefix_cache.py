@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from onlinespec import memory
 from onlinespec.decoding.prefix_cache import PrefixCache
 
 A, B = ("tenant-a", ""), ("tenant-b", "")
@@ -79,6 +80,8 @@ def test_reused_cells_compute_exactly_what_the_same_pieces_compute(target):
     cached.forward_alone(first, ids[:40], 1)
     cached.release([first])  # its 40 cells stay as an entry
     assert cached.prefix_cache.cells == 40
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, keys and values in f16
+    assert memory.budget().used()["prefix_cache"] >= 40 * 30 * 3 * 64 * 2 * 2, "cached cells count in the server's memory budget"
     second = Row()
     assert cached.reuse(second, ids, 16) == 40
     logits_on, _ = cached.forward_alone(second, ids[40:], 1)

@@ -35,7 +35,7 @@ class MemoryCollector(Collector):
 
     def collect(self):
         budget = memory.budget()
-        yield GaugeMetricFamily(PREFIX + "memory_budget_bytes", "Bytes the replay buffers, suffix indexes and drafts may "
+        yield GaugeMetricFamily(PREFIX + "memory_budget_bytes", "Bytes the replay buffers, suffix indexes, drafts and prefix-cache cells may "
                                 "hold together (--memory-budget)", value=budget.limit)
         used = GaugeMetricFamily(PREFIX + "memory_used_bytes", "Bytes held, by kind of holder", labels=["kind"])
         evictions = CounterMetricFamily(PREFIX + "memory_evictions", "Records (replay_buffer) or documents (suffix_index) "

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from onlinespec import memory
 from onlinespec.decoding.prefix_cache import PrefixCache
 
 DEFAULT_CONTEXT = 4096  # tokens per request unless asked (the KV cache is allocated up front, per request)
@@ -141,6 +142,9 @@ class LlamaCppRunner:
         self._free = list(range(self.sequences - 1, -1, -1))
         self._last: list[int] = []  # the last forward's block sizes (rewind)
         self._embeddings = True  # the context's embeddings switch (see _decode)
+        if self.prefix_cache is not None:  # its cells count in the process's memory budget (onlinespec.memory)
+            self._prefix_memory = memory.PrefixCacheMemory(model.path.name, self.prefix_cache, self.cell_bytes)
+            memory.budget().register(self._prefix_memory)  # (held weakly there: this runner keeps it)
 
     def __del__(self) -> None:
         try:
@@ -158,6 +162,13 @@ class LlamaCppRunner:
     @property
     def vocab_size(self) -> int:
         return self.model.n_vocab
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes one KV cell takes (one token of one sequence: keys and values, f16, every layer)."""
+        lib, model = self._lib, self.model.pointer
+        head_dim = lib.llama_model_n_embd(model) // max(lib.llama_model_n_head(model), 1)
+        return 2 * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim * 2
 
     @property
     def rows(self) -> list[object]:
