@@ -19,6 +19,9 @@ Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Sche
   served, then first come. A 16-choice request is 16 units of work, each choice a slot.
 * ``max_running`` caps the slots one tenant holds (None: ``max_batch``).
 
+No call scans the queue: each tenant's waiting choices are kept in heaps (:class:`_TenantQueue`),
+so submit, admission, step and finish cost O(log W) in the waiting choices W, and O(tenants).
+
 ``submit`` may be called from any thread; ``step`` from one thread only (the engine's loop). A
 step that raises is recovered once (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.recompute`);
 a second in a row is raised to the caller.
@@ -229,8 +232,9 @@ class FairScheduler:
             return set(self._waiting_groups)
 
     def waiting_requests(self) -> int:
-        """How many requests (groups) have a choice waiting for a slot."""
-        return len(self._waiting_groups)
+        """How many requests (groups) have a choice waiting for a slot (what the queue's limit counts)."""
+        with self._lock:
+            return len(self._waiting_groups)
 
     def queued_tokens(self, tenant: str) -> int:
         """The tokens ``tenant``'s waiting choices may still cost: their text and the new tokens left
