@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 KEYS = {"A": "abuse-key-of-a", "B": "abuse-key-of-b"}
 ADMIN = "abuse-admin"
-LONG_STOP = [f"{i:02d}" + "never appears in the output " * 36 for i in range(16)]  # 16 stops, 1,000 characters each
+LONG_STOP = [(f"{i:02d}" + "never appears in the output " * 36)[:1000] for i in range(16)]  # 16 stops of 1,000 characters (the limit)
 PROMPT_WORDS = 3900  # about 4k tokens of the default tokenizer: "word " is one token
 ECHO_ALTERNATIVES = 7  # 3,900 x (1 + 7) stays under the server's 32,768 prompt log-probability entries
+B_KINDS = ("n16", "echo4k", "trickle", "header-flood")  # tenant B's requests, round-robin (--b-kinds picks some)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -81,9 +82,12 @@ def tenant_a(server_url: str, model: str, queries: list, deadline: float, record
 
 
 def streamed(http, url: str, body: dict, record: Record, kind: str) -> None:
-    """One of B's streamed requests: its status, tokens (usage, when it ends) and times."""
+    """One of B's streamed requests: its status, times, and per choice its text and the times of
+    its first and last chunks (its tokens are counted at the end: the usage chunk when the request
+    finished, else its text re-tokenised, :func:`count_b_tokens`)."""
     started = time.perf_counter()
-    first, tokens, status = None, 0, None
+    first, tokens, status = None, None, None
+    texts: dict[int, list] = {}  # choice -> [text, first chunk, last chunk]
     try:
         with http.stream("POST", url + "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
             status = response.status_code
@@ -91,14 +95,19 @@ def streamed(http, url: str, body: dict, record: Record, kind: str) -> None:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    first = first or time.perf_counter()
+                now = time.perf_counter()
+                for choice in chunk.get("choices") or ():
+                    first = first or now
+                    entry = texts.setdefault(choice["index"], ["", now, now])
+                    entry[0] += choice.get("text") or ""
+                    entry[2] = now
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except Exception as err:  # counted, never hidden
         status = f"{type(err).__name__}"
     end = time.perf_counter()
-    record.add("B", {"start": started, "first": first or end, "end": end, "tokens": tokens, "status": status, "kind": kind})
+    record.add("B", {"start": started, "first": first or end, "end": end, "tokens": tokens, "status": status, "kind": kind,
+                     "choices": [texts[i] for i in sorted(texts)], "echo": bool(body.get("echo"))})
 
 
 def trickle(url: str, seconds: float) -> str:
@@ -122,13 +131,12 @@ def trickle(url: str, seconds: float) -> str:
             return f"closed ({type(err).__name__})"
 
 
-def tenant_b(server_url: str, model: str, deadline: float, record: Record, seed: int) -> None:
-    """An abusive client: the worst valid requests, round-robin, until the deadline."""
+def tenant_b(server_url: str, model: str, deadline: float, record: Record, seed: int, kinds: tuple[str, ...] = B_KINDS) -> None:
+    """An abusive client: the worst valid requests (``kinds`` of them), round-robin, until the deadline."""
     import httpx
 
     headers = {"Authorization": f"Bearer {KEYS['B']}"}
     long_prompt = "word " * PROMPT_WORDS
-    kinds = ["n16", "echo4k", "trickle", "header-flood"]
     i = seed
     with httpx.Client(headers=headers, timeout=3600) as http:
         while time.monotonic() < deadline:
@@ -170,22 +178,42 @@ def sample_server(url: str, pid: int, deadline: float, samples: list) -> None:
         time.sleep(2.0)
 
 
-def b_share(record: Record, samples: list) -> float | None:
-    """B's share of the tokens generated while B had a request in flight: the server's counter
-    (every tenant's tokens) less A's (each A request's tokens spread evenly from its first token to
-    its end), over the samples taken while one of B's requests was open."""
+def count_b_tokens(record: Record) -> None:
+    """Each of B's choices' new tokens, into its row's ``choices`` entries (a 4th item): the usage
+    figure when the request finished (shared by its choices in proportion to their text), else
+    the choice's streamed text re-tokenised with the served tokenizer (the echoed prompt left out).
+    B's long requests rarely finish within a run, and the server counts a request's tokens when
+    it ends: the clients' own count is what tells the share while B's work is in flight."""
+    from onlinespec.models import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    prompt = "word " * PROMPT_WORDS
+    for row in record.b:
+        for entry in row["choices"]:
+            text = entry[0][len(prompt):] if row["echo"] and entry[0].startswith(prompt) else entry[0]
+            entry.append(len(tokenizer.encode(text, add_special_tokens=False)) if text else 0)
+        counted = sum(e[3] for e in row["choices"])
+        if row["tokens"] is not None and counted:  # the exact total, shared as the texts were
+            for e in row["choices"]:
+                e[3] = row["tokens"] * e[3] / counted
+
+
+def b_share(record: Record) -> dict:
+    """B's share of the tokens generated while B had a request open: each of A's requests' tokens
+    spread evenly from its first token to its end, each of B's choices' from its first chunk to its
+    last, summed over the times a request of B's was open."""
     busy = merge([(r["start"], r["end"]) for r in record.b])
-    inside = [s for s in samples if any(a <= s["t"] <= b for a, b in busy)]
-    if len(inside) < 2:
-        return None
-    start, end = inside[0]["t"], inside[-1]["t"]
-    total = inside[-1]["generated"] - inside[0]["generated"]
-    a = 0.0
-    for r in record.a:
-        if r["tokens"]:
-            s0, e0 = r["start"] + r["ttft_s"], r["end"]
-            a += r["tokens"] * max(0.0, min(end, e0) - max(start, s0)) / max(e0 - s0, 1e-6)
-    return max(0.0, total - a) / total if total > 0 else None
+    if not busy:
+        return {"b_share_while_queued": None, "a_tokens_while_b_queued": 0, "b_tokens_while_b_queued": 0}
+
+    def inside(s0: float, e0: float, tokens: float) -> float:
+        return sum(tokens * max(0.0, min(b, e0) - max(a, s0)) / max(e0 - s0, 1e-6) for a, b in busy) if e0 > s0 else \
+            (tokens if any(a <= s0 <= b for a, b in busy) else 0.0)
+
+    a = sum(inside(r["start"] + r["ttft_s"], r["end"], r["tokens"]) for r in record.a if r["tokens"])
+    b = sum(inside(e[1], e[2], e[3]) for r in record.b for e in r["choices"] if e[3])
+    return {"b_share_while_queued": b / (a + b) if a + b > 0 else None, "a_tokens_while_b_queued": round(a),
+            "b_tokens_while_b_queued": round(b), "b_busy_seconds": round(sum(e - s for s, e in busy), 1)}
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -222,12 +250,21 @@ def run(args) -> dict:
         threads = [threading.Thread(target=tenant_a, args=(server.url, model, queries, deadline, record, args.max_tokens, i), daemon=True)
                    for i in range(args.a_clients)]
         if not args.baseline:
-            threads += [threading.Thread(target=tenant_b, args=(server.url, model, deadline, record, i), daemon=True) for i in range(args.b_clients)]
+            threads += [threading.Thread(target=tenant_b, args=(server.url, model, deadline, record, i, args.b_kinds), daemon=True)
+                        for i in range(args.b_clients)]
+        if args.py_spy:  # where the server's threads spend the run (collapsed stacks per thread; py-spy from PyPI)
+            import subprocess
+
+            spy = subprocess.Popen([str(args.py_spy), "record", "--pid", str(server.process.pid), "--rate", "20", "--threads", "--idle",
+                                    "--format", "raw", "--output", str(work / "profile.txt"), "--duration", str(int(args.minutes * 60 + args.grace))],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         threads.append(threading.Thread(target=sample_server, args=(server.url, server.process.pid, deadline + args.grace, memory), daemon=True))
         for thread in threads:
             thread.start()
         for thread in threads:  # B's last requests may run past the deadline: --grace, then the server stops (and fails them)
             thread.join(max(0.0, deadline + args.grace - time.monotonic()))
+        if args.py_spy:
+            spy.wait(60)
     return summarise(args, record, memory, server_args, machine_info())
 
 
@@ -237,17 +274,19 @@ def summarise(args, record: Record, memory: list, server_args: list, machine: di
     tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
     t0 = memory[0]["t"] if memory else 0.0
     statuses: dict[str, int] = {}
+    if record.b:
+        count_b_tokens(record)
     for r in record.b:
         key = f"{r['kind']} {r['status']}"
         statuses[key] = statuses.get(key, 0) + 1
     return {
         "command": " ".join(["python", *sys.argv]), "machine": machine, "server_args": server_args, "minutes": args.minutes,
-        "baseline": args.baseline, "a_clients": args.a_clients, "b_clients": 0 if args.baseline else args.b_clients,
+        "baseline": args.baseline, "b_kinds": list(args.b_kinds), "a_clients": args.a_clients, "b_clients": 0 if args.baseline else args.b_clients,
         "a_requests": len(record.a), "a_failed": len(record.a) - len(ok), "a_errors": sorted({r["error"] for r in record.a if r["error"]})[:10],
         "a_ttft_p50_s": percentile(ttft, 0.5), "a_ttft_p99_s": percentile(ttft, 0.99), "a_tpot_p50_s": percentile(tpot, 0.5),
         "a_tokens": sum(r["tokens"] for r in ok), "b_requests": len(record.b), "b_statuses": statuses,
         "b_other_answers": {str(k): v for k, v in record.b_refused.items()},
-        "b_share_while_queued": b_share(record, memory), "memory_peak_bytes": max((m["rss_bytes"] for m in memory), default=None),
+        **b_share(record), "memory_peak_bytes": max((m["rss_bytes"] for m in memory), default=None),
         "memory": [{"t_s": round(m["t"] - t0, 1), "rss_bytes": m["rss_bytes"], "generated": m["generated"]} for m in memory],
         "a_timeline": [{"t_s": round(r["start"] - t0, 1), "ttft_s": r["ttft_s"]} for r in ok],
     }
@@ -257,7 +296,9 @@ def compare(result: dict, baseline: dict | None) -> dict:
     """A's figures as ratios to the baseline run's (None without one)."""
     if baseline is None:
         return {}
-    ratio = lambda key: result[key] / baseline[key] if result.get(key) and baseline.get(key) else None
+    def ratio(key: str) -> float | None:
+        return result[key] / baseline[key] if result.get(key) and baseline.get(key) else None
+
     return {"ttft_p50_ratio": ratio("a_ttft_p50_s"), "ttft_p99_ratio": ratio("a_ttft_p99_s"), "tpot_p50_ratio": ratio("a_tpot_p50_s")}
 
 
@@ -291,14 +332,19 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="tenant A alone: writes OUT-baseline.json, the reference of a run with B")
     parser.add_argument("--a-clients", type=int, default=4)
     parser.add_argument("--b-clients", type=int, default=2)
+    parser.add_argument("--b-kinds", type=lambda v: tuple(k.strip() for k in v.split(",") if k.strip()), default=B_KINDS,
+                        help=f"tenant B's kinds of request, comma-separated, round-robin (default: all of {','.join(B_KINDS)})")
     parser.add_argument("--max-tokens", type=int, default=64, help="tenant A's max_tokens")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=60)
     parser.add_argument("--grace", type=float, default=60.0, help="seconds past --minutes the clients' last requests may take")
     parser.add_argument("--work", type=Path, default=Path("runs/abuse"))
     parser.add_argument("--out", type=Path, default=DOCS / "abuse", help="writes OUT.json and OUT.png (OUT-baseline.json with --baseline)")
+    parser.add_argument("--py-spy", type=Path, default=None, help="a py-spy binary: record the server's stacks into WORK/profile.txt")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `onlinespec serve` options (last)")
     args = parser.parse_args()
+    if not args.b_kinds or set(args.b_kinds) - set(B_KINDS):
+        parser.error(f"--b-kinds: give some of {','.join(B_KINDS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args)
     base_path = args.out.parent / f"{args.out.name}-baseline.json"
