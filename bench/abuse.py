@@ -19,6 +19,11 @@ resident memory.
     python bench/abuse.py --baseline --minutes 10     # tenant A alone
     python bench/abuse.py --minutes 10                # A and B; ratios against the baseline
     python bench/abuse.py --minutes 1 --out runs/abuse/quick   # a quick look (not a measurement)
+    python bench/abuse.py --minutes 1 --b-kinds echo4k --py-spy PATH   # one kind of B's requests; the server's stacks
+
+``--b-kinds`` picks B's kinds (comma-separated; default all four), to find which one hurts A;
+``--py-spy`` records the server's threads with a py-spy binary (``pip download py-spy``) into
+WORK/profile.txt (collapsed stacks), where the engine thread's time goes while A waits.
 
 Writes OUT.json and OUT.png (default docs/results/abuse); docs/reliability.md quotes them.
 """
