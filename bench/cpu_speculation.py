@@ -15,6 +15,10 @@ reported). Ratios are pooled tokens/s and per domain, against `llama.cpp Q4_1`.
 
     python bench/cpu_speculation.py                        # 60 prompts, q8_0 beside the shipped file (~10 min)
     python bench/cpu_speculation.py --formats as-is,q8_0,f16 --summaries 20
+    python bench/cpu_speculation.py --target ~/.cache/onlinespec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --formats as-is --n 60 --domains code      # the 1.5B on 20 code prompts (issue 45)
+
+On another target than the packaged one, the file as given is labelled `shipped` (`llama.cpp shipped`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from onlinespec.models import load_target
 
 RUNS = harness.RUNS / "cpu_speculation"
 RESULTS = harness.RESULTS
-BASE = "llama.cpp Q4_1"
+BASE = "llama.cpp Q4_1"  # the packaged target's; another target's file as given is "shipped" (set in main)
 
 
 def queries(args):
@@ -48,6 +52,8 @@ def queries(args):
     subprocess.run([sys.executable, "-m", "onlinespec.cli", "data", "export", "--n", str(args.n), "--out", str(prompts),
                     "--split", "heldout"], check=True)
     found = read_queries_jsonl(prompts)
+    if args.domains:
+        found = [q for q in found if q.domain in args.domains.split(",")]
     if args.summaries:  # as many as the standard library offers, up to the number asked
         docs = next(p for n in range(2 * args.summaries, 0, -1) if (p := _long_prompts(n)) is not None)
         found += [q for q in docs if q.domain == "docs"][: args.summaries]
@@ -61,10 +67,10 @@ def _long_prompts(n: int):
         return None
 
 
-def methods(fmt: str, proposers: list[str]):
+def methods(spec: str, fmt: str, proposers: list[str]):
     """(label, decoder or llama) per method on one weight format."""
-    target = load_target("default", backend="llama.cpp", target_format=fmt)
-    tag = "Q4_1" if fmt == "as-is" else fmt
+    target = load_target(spec, backend="llama.cpp", target_format=fmt)
+    tag = BASE.split(" ", 1)[1] if fmt == "as-is" else fmt
     found = {f"alone {tag}": new_decoder(target, None, 0)}
     for name in proposers:
         proposer = make_proposer(name, target).proposer
@@ -87,11 +93,12 @@ def run_one(method, runner, ids, tokens):
 def measure(found_queries, args) -> dict:
     runners, targets = {}, {}
     for fmt in args.formats.split(","):
-        target, found = methods(fmt, args.proposers.split(","))
+        target, found = methods(args.target, fmt, args.proposers.split(","))
         targets.update({m: target for m in found})
         runners.update(found)
-    shipped = next(t for m, t in targets.items() if m.endswith("Q4_1")) if any(m.endswith("Q4_1") for m in targets) else None
-    runners = {BASE: PlainLlamaCpp(shipped.gguf if shipped else load_target("default", backend="llama.cpp").gguf), **runners}
+    tag = BASE.split(" ", 1)[1]
+    shipped = next((t for m, t in targets.items() if m.endswith(tag)), None)
+    runners = {BASE: PlainLlamaCpp(shipped.gguf if shipped else load_target(args.target, backend="llama.cpp").gguf), **runners}
     encode = next(r for r in runners.values() if hasattr(r, "encode")).encode
     prompts = [encode(list(q.messages) if q.messages else q.prompt) for q in found_queries]
     for ids in prompts[:2]:  # warm-up
@@ -111,7 +118,8 @@ def measure(found_queries, args) -> dict:
                     row[method]["gap"] = divergence_gap(targets[method], ids, row[alone]["ids"], row[method]["ids"])
         rows.append(row)
         print(f"[{i + 1}/{len(prompts)}] {q.domain:5} " + "  ".join(f"{m}: {row[m]['tokens'] / row[m]['seconds']:.0f}" for m in names), flush=True)
-    return {"machine": harness.machine(), "threads": cpu_threads(), "max_new_tokens": args.max_new_tokens, "n_prompts": len(rows),
+    return {"machine": harness.machine(), "target": Path(str(args.target)).name, "threads": cpu_threads(),
+            "max_new_tokens": args.max_new_tokens, "n_prompts": len(rows),
             "target_files": {m: str(t.gguf) for m, t in targets.items()}, "summary": summarize(rows, names), "rows": rows}
 
 
@@ -151,7 +159,7 @@ def plot(result: dict, path: Path) -> None:
     domains = list(next(iter(summary.values()))["by_domain"])
     names = [m for m in summary if m != BASE]
     harness.plot_bars(path, domains, {m: [summary[m]["by_domain"][d] for d in domains] for m in names}, hline=1.0, figsize=(10, 4.5),
-                      title=f"SmolLM2-135M, batch 1, greedy, {result['max_new_tokens']} tokens, {result['machine']['date']}",
+                      title=f"{result['target']}, batch 1, greedy, {result['max_new_tokens']} tokens, {result['machine']['date']}",
                       ylabel=f"tokens/s / {BASE} (plain llama.cpp, shipped file)")
 
 
@@ -160,10 +168,16 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=60, help="held-out packaged prompts (chat, code, maths in turn)")
     parser.add_argument("--summaries", type=int, default=0, help="also this many documentation-summary prompts (domain docs)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--target", default="default", help="a GGUF file (default: the packaged SmolLM2-135M)")
+    parser.add_argument("--domains", default="", help="keep only these domains of the exported prompts (chat,code,maths)")
     parser.add_argument("--formats", default="as-is,q8_0", help="weight formats onlinespec serves (onlinespec.formats)")
     parser.add_argument("--proposers", default="hybrid,suffix", help="drafts to run on each format (factory names)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu-speculation.json")
     args = parser.parse_args()
+    global BASE
+    if args.target != "default":
+        args.target = str(Path(args.target).expanduser())
+        BASE = "llama.cpp shipped"
     RUNS.mkdir(parents=True, exist_ok=True)
     started = time.time()
     result = measure(queries(args), args)

@@ -46,11 +46,15 @@ def metrics(url: str) -> dict:
     wanted = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
               "onlinespec:prefix_cache_cells": "cells", "onlinespec:prefix_cache_evicted_cells_total": "evicted",
               "onlinespec:prefix_cache_budget_cells": "budget"}
-    found = dict.fromkeys(wanted.values(), 0.0)
+    found = dict.fromkeys([*wanted.values(), "memory_used", "memory_budget"], 0.0)
     for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             found[wanted[name]] = float(line.rsplit(" ", 1)[1])
+        elif name == "onlinespec:memory_used_bytes":  # the memory budget's holders, every kind (prefix_cache among them)
+            found["memory_used"] += float(line.rsplit(" ", 1)[1])
+        elif name == "onlinespec:memory_budget_bytes":
+            found["memory_budget"] = float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -178,6 +182,8 @@ def report(args, rows: list[dict], samples: list[dict], configs) -> None:
         "greedy_identity": identity(rows),
         "cells_max": max((s["cells"] for s in samples), default=None), "budget_cells": last.get("budget"),
         "evicted_cells": last.get("evicted"), "rss_mib_max": max((s["rss_mib"] or 0 for s in samples), default=None),
+        "memory_budget_used_mib_max": max((s["memory_used"] / 2**20 for s in samples), default=None),
+        "memory_budget_mib": last.get("memory_budget", 0) / 2**20 or None,
     }
     payload = {"summary": summary, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "samples": samples}
     path = harness.write_result(args.out, payload)
@@ -186,12 +192,30 @@ def report(args, rows: list[dict], samples: list[dict], configs) -> None:
     harness.plot_lines(path.with_suffix(".png"), {c: (turns, v) for c, v in series.items()}, title="TTFT p50 by turn (multi-turn ShareGPT)",
                        xlabel="turn", ylabel="seconds")
     if samples:
-        at = [s["at"] / 60 for s in samples]
-        hit = [s["hits"] / s["queries"] if s["queries"] else 0 for s in samples]
-        harness.plot_lines(path.with_name(path.stem + "_over_time.png"),
-                           {"hit rate": (at, hit), "cells / budget": (at, [s["cells"] / s["budget"] if s["budget"] else 0 for s in samples])},
-                           title="Prefix cache over the run", xlabel="minutes", ylabel="share")
+        over_time(path.with_name(path.stem + "_over_time.png"), rows, samples)
     print(json.dumps(summary, indent=2))
+
+
+def over_time(path: Path, rows: list[dict], samples: list[dict]) -> None:
+    """Over the run: the hit rate, the cells held over their budget and the evictions (top), the
+    cache-on server's TTFT of turns >= 2 and its resident memory (bottom)."""
+    at = [s["at"] / 60 for s in samples]
+    fig, (top, bottom) = harness.figure(2, 1, figsize=(9, 6.5), sharex=True)
+    harness.lines(top, {"hit rate (cumulative)": (at, [s["hits"] / s["queries"] if s["queries"] else 0 for s in samples]),
+                        "cells / budget": (at, [s["cells"] / s["budget"] if s["budget"] else 0 for s in samples])},
+                  "Prefix cache over the run", "", "share")
+    evicted = top.twinx()
+    evicted.plot(at, [s["evicted"] for s in samples], color="grey", linestyle=":", label="evicted cells")
+    evicted.set_ylabel("evicted cells, total (dotted)")
+    first = min(r["at"] for r in rows)
+    on = [r for r in rows if r["config"] == "cache-on" and r["turn"] >= 2]
+    harness.lines(bottom, {"TTFT, turns >= 2 (s)": ([(r["at"] - first) / 60 for r in on], [r["ttft_s"] for r in on])},
+                  "", "minutes", "seconds", marker=".", linestyle="none")
+    rss = bottom.twinx()
+    rss.plot(at, [s["rss_mib"] or 0 for s in samples], color="tab:red", label="server RSS (MiB)")
+    rss.plot(at, [s.get("memory_used", 0) / 2**20 for s in samples], color="tab:orange", label="memory budget used (MiB)")
+    rss.set_ylabel("MiB: server RSS (red), memory budget used (orange)")
+    harness.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ width by width (this machine's speed drifts): the median milliseconds of
 
     python bench/verify_cost.py                      # as-is and q8_0, widths 1..8 (~2 min)
     python bench/verify_cost.py --formats as-is,q8_0,f16
+    python bench/verify_cost.py --target ~/.cache/onlinespec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --formats as-is --reps 7
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ def engine(path: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, default=None, help="a GGUF file (default: the packaged target)")
     parser.add_argument("--formats", default="as-is,q8_0")
     parser.add_argument("--max-width", type=int, default=8)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "verify-cost.json")
     args = parser.parse_args()
-    shipped = default_gguf_path()
+    shipped = args.target.expanduser() if args.target else default_gguf_path()
     files = {fmt: served_file(shipped, fmt) for fmt in args.formats.split(",")}
     methods = {(fmt, name): make(path) for fmt, path in files.items()
                for name, make in (("bare last row", lambda p: bare(p, False)), ("bare all rows", lambda p: bare(p, True)), ("engine", engine))}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -14,18 +16,37 @@ from transformers import LlamaConfig, LlamaForCausalLM
 os.environ.setdefault("ONLINESPEC_CALIBRATION_REPS", "1")
 
 
+FAST_TMP = "/dev/shm"  # a RAM file system on Linux: an fsync there returns at once
+
+
 def pytest_configure(config):
-    """Under pytest-xdist (``make test`` runs one worker per core), each worker gets cores of its
+    """Temporary folders (``tmp_path``) in RAM where the machine has a RAM file system: the
+    code under test makes every record, draft version and registry change durable (fsync the
+    file, then its folder: about 3.5 ms a write on this machine's disk, 0.1 ms in RAM), and the
+    suite writes thousands; what the tests check (a record kept, a version loadable after a
+    SIGKILL) does not depend on the disk. Not with ``--basetemp`` given, and xdist's workers
+    inherit the controller's folder.
+
+    Under pytest-xdist (``make test`` runs one worker per core), each worker gets cores of its
     own: its torch threads, its llama.cpp threads (which follow the affinity) and the servers it
     starts stay on them, so two workers never fight over one core (spinning llama.cpp threads
     on a shared core run many times slower) and a test measures what it would alone on a
     machine that size."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker and config.option.basetemp is None and os.access(FAST_TMP, os.W_OK) and shutil.disk_usage(FAST_TMP).free > 4 * 2**30:
+        config.option.basetemp = config._onlinespec_fast_tmp = tempfile.mkdtemp(prefix="onlinespec-tests-", dir=FAST_TMP)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if worker and count > 1 and len(cores) >= count:
         mine = cores[int(worker.removeprefix("gw")) % count:: count]
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))
+
+
+def pytest_unconfigure(config):
+    """Give the RAM back: the folder :func:`pytest_configure` made goes with the run."""
+    folder = getattr(config, "_onlinespec_fast_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # The test files that take longest (docs/testing.md: `make test`'s 20 slowest tests, summed by
@@ -49,7 +70,41 @@ SLOWEST_FILES = [
 ]
 
 
+# The extended tier (`make test-extended`, run by CI after `make test`; docs/testing.md): checks
+# that repeat one `make test` makes, on other parameters or another path to the same guarantee,
+# and take long. Each line says what in `make test` already covers it.
+EXTENDED = {
+    # the mixed-batch chi-square test at t=1.0 stays; top-k/top-p warping is checked by the engine's and the head's own at t=1.0 + the verify harness
+    "tests/decoding/test_batched_engine.py::test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution[warped]",
+    "tests/drafts/test_feature_head.py::test_sampled_output_follows_the_targets_distribution[warped]",
+    "tests/decoding/test_lossless_engine.py::test_draft_model_sampling_matches_target_distribution[t0.7-topk4-topp0.9]",
+    "tests/decoding/test_lossless_engine.py::test_ngram_sampling_matches_target_distribution[t0.7-topk4-topp0.9]",
+    # each processor alone: "top_k -1 and all" (every processor at once) and min_tokens stay, and each one's maths is checked by hand
+    *(f"tests/decoding/test_processors.py::test_sampling_follows_the_processed_target[{name}]"
+      for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")),
+    # the reference sampler's own runs (the engine's verify_sampling stays on both cases)
+    "tests/decoding/test_verify.py::test_sampling_follows_target_distribution[reference-V5_k2]",
+    "tests/decoding/test_verify.py::test_sampling_follows_target_distribution[reference-V6_k3]",
+    # greedy identity on the real target: ngram and hybrid (which drafts with the head) stay, on torch and on llama.cpp
+    "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[head-3-False-1]",
+    "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[target-layers:4-3-False-3]",
+    "tests/decoding/test_llamacpp_backend.py::test_greedy_speculative_is_identical_on_llamacpp[ngram-3-False]",
+    # bench on torch (the llama.cpp bench test stays)
+    "tests/test_cli.py::test_bench_writes_side_by_side_figures[torch]",
+    # a kill during an update: the registry's SIGKILL test stays (every version loadable), and the kill-point suite
+    "tests/online/test_online_runs.py::test_sigkill_during_an_update_then_restart_serves_the_last_published_version",
+    "tests/serve/test_server_lifecycle.py::test_sigterm_during_an_update_publishes_nothing_and_a_restart_serves_the_last_version",
+    # (not the Ray fault tests: they share their module's cluster and start from the state the
+    # first test of the module leaves, records in the buffer and learning paused)
+    # lm-evaluation-harness against the server (the openai client's loglikelihood-style echo requests stay in test_server_api)
+    "tests/serve/test_clients.py::test_lm_eval_loglikelihood_and_generate_until_are_the_target_alones",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in EXTENDED:
+            item.add_marker(pytest.mark.extended)
     rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept otherwise
 

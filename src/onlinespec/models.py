@@ -125,10 +125,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     a fresh model built from the same config without its quantization config. The folder is
     written beside its final place and renamed into it, so a crash never leaves half a model.
     """
+    from onlinespec.ggufview import read_once
+
     gguf_path = Path(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with read_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -171,13 +174,13 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
                              backend=backend, gguf_source=gguf, gguf=served_file(gguf, target_format, acceptance=expected_acceptance))
         loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers)
         return loaded
+    if target_format != "as-is":  # refused before the load (a first torch load of a GGUF converts it)
+        raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "
+                         "formats are llama.cpp's (serve a .gguf target on --backend llama.cpp)")
     loaded = load_model(spec, resolve_dtype_name(dtype, device))
     loaded.backend, loaded.gguf, loaded.gguf_source = backend, gguf, gguf
     if device != "cpu":
         loaded.model.to(device)
-    if target_format != "as-is":
-        raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "
-                         "formats are llama.cpp's (serve a .gguf target on --backend llama.cpp)")
     return loaded
 
 

@@ -4,6 +4,8 @@ with the engine on a tiny random target, whose prompt the step's prefill budget 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from onlinespec.decoding.request import RequestState
@@ -230,3 +232,69 @@ def test_a_tenant_ahead_of_another_prefills_a_rows_worth_a_step_while_the_other_
     assert max(prefilled[5:]) <= decoder.engine.k + 1  # then a row's block a step, as A is served
     scheduler.run()
     assert b.stop.generated == _decoder(tiny_target).generate(prompt, params).token_ids
+
+
+def _reference_next(scheduler: FairScheduler, whose: dict[RequestState, tuple]) -> RequestState:
+    """The choice to admit by a plain scan of every waiting one (as the scheduler did before its
+    queue became heaps, issue 50): of the tenants under their share (any under their cap when none
+    is), the least (charge over weight, priority, its request's tokens served, first come).
+    ``whose``: request -> (tenant, group, priority, seq), as the test submitted it."""
+    weight = lambda t: scheduler.weights.get(t, 1.0)  # noqa: E731
+    holding: dict[str, int] = {}
+    for r in scheduler.running:
+        holding[whose[r][0]] = holding.get(whose[r][0], 0) + 1
+    waiting = [(whose[r], r) for r in scheduler.waiting.values()]
+    queued = {w[0] for w, _ in waiting}
+    busy = queued | set(holding)
+    share = {t: scheduler.max_batch * weight(t) / sum(weight(b) for b in busy) for t in busy}
+    starved = {t for t in queued if holding.get(t, 0) < min(max(int(share[t]), 1), scheduler.max_running)}
+    allowed = {t for t in (starved or queued) if holding.get(t, 0) < scheduler.max_running}
+    charge, served = {t: scheduler.served[t] / weight(t) for t in allowed}, scheduler.group_served
+    return min((charge[t], p, served[g], seq, r) for (t, g, p, seq), r in waiting if t in allowed)[4]
+
+
+@pytest.mark.parametrize("setup, choices", [(dict(max_batch=8, max_running=7, weights={"B": 2.0}), 5000), (dict(max_batch=2, quantum=2), 1500)],
+                         ids=["shares", "time-slices"])
+def test_5000_waiting_choices_of_3_tenants_are_admitted_in_the_plain_scans_order(setup, choices):
+    """Priorities, requests of several choices, tenants arriving late (preemptions), weights and
+    time slices: every admission is the one a scan of the whole queue picks, and a new request
+    starts at its tenant's least tokens served (issue 50: the queue is heaps, not scans)."""
+    rng = random.Random(50)
+    scheduler = FairScheduler(FakeEngine(), **setup)
+    whose: dict[RequestState, tuple] = {}
+    admitted, start = [], scheduler._start
+
+    def checked_start(request):
+        assert request is _reference_next(scheduler, whose)
+        admitted.append(request)
+        start(request)
+
+    scheduler._start = checked_start
+    few = lambda tenant: lambda: tenant in seen and scheduler.queued_tokens(tenant) < 60  # noqa: E731
+    waves = [(lambda: steps == 0, "B", 800), (lambda: steps == 3, "A", 600), (lambda: steps == 40, "C", 600),
+             (few("B"), "B", 1000), (few("A"), "A", 1000), (few("C"), "C", 1000)]  # when, who, how many choices
+    waves = [(when, tenant, n * choices // 5000) for when, tenant, n in waves]
+    steps, seen = 0, set()
+    while scheduler.has_work or waves:
+        for wave in [w for w in waves if w[0]()]:
+            waves.remove(wave)
+            tenant, n = wave[1], wave[2]
+            seen.add(tenant)
+            present = {whose[r][1] for r in whose if whose[r][0] == tenant and not r.finished}  # its requests with work
+            floor = min((scheduler.group_served[g] for g in present), default=0)
+            assert floor > 0 or not present
+            while n > 0:
+                group, priority, size = f"{tenant}{len(whose)}", rng.choice([-1, 0, 0, 2]), min(rng.randint(1, 4), n)
+                for _ in range(size):
+                    r = scheduler.submit(request(rng.choice([1, 2, 3, 5, 8, 13]), prompt=rng.randint(2, 6)), tenant, group, priority)
+                    whose[r] = (tenant, group, priority, len(whose))
+                assert scheduler.group_served[group] == floor  # a new request starts at the least of its tenant's
+                n -= size
+        scheduler.step()
+        steps += 1
+        if steps % 50 == 0:
+            waiting = list(scheduler.waiting.values())
+            assert scheduler.queued_tokens("B") == sum(len(r.ids) + r.stop.remaining for r in waiting if whose[r][0] == "B")
+            assert scheduler.waiting_groups() == {whose[r][1] for r in waiting} and scheduler.waiting_requests() == len(scheduler.waiting_groups())
+    assert len(whose) == choices and len(set(admitted)) == choices and scheduler.preempted > 0
+    assert len(admitted) == choices + scheduler.preempted and scheduler.served == {} and scheduler.group_served == {}

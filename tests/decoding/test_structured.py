@@ -3,8 +3,8 @@
 - greedy: the real default target with a learned-head + n-gram draft (``hybrid``), k = 2 and 4,
   in a batch mixing constrained and free rows, is token-identical to the target alone under the
   same JSON schema, and every output that ends by itself parses and validates with ``jsonschema``;
-- sampling: a seeded chi-square test (N = 400, p-value > 1e-3) of a ``regex`` constraint's
-  outputs, with a tiny random target and a tiny random draft of the default tokenizer (k = 2),
+- sampling: a seeded chi-square test (N = 400, p-value > 1e-3) of the outputs of a ``regex``,
+  a ``choice`` and a ``json_schema`` (an enum) constraint, with a tiny random target and a tiny random draft of the default tokenizer (k = 2),
   against the exact distribution of the target renormalised over the allowed tokens, enumerated
   one token at a time with the grammar's masks.
 """
@@ -113,14 +113,20 @@ def exact_distribution(target, tokenizer, prompt: list[int], constraint: Constra
     return out
 
 
+# each constraint's outputs: few, so the exact law can be enumerated (every tokenisation of each text summed)
+SAMPLED = {"regex": (Constraint("regex", REGEX), 8), "choice": (Constraint.choice(["yes", "no", "maybe"]), 3),
+           "json_schema": (Constraint.json_schema({"enum": ["red", "green", "blue"]}), 3)}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLED))
 @torch.inference_mode()
-def test_sampled_regex_follows_the_renormalised_target_with_speculation(tiny_pair, default_tokenizer, chi_square, one_thread):
+def test_sampled_output_follows_the_renormalised_target_with_speculation(kind, tiny_pair, default_tokenizer, chi_square, one_thread):
     target, draft = tiny_pair
     eos = default_tokenizer.eos_token_id
-    constraint = Constraint("regex", REGEX)
+    constraint, outcomes = SAMPLED[kind]
     prompt = [1, 400, 2000, 31]
     expected = exact_distribution(target, default_tokenizer, prompt, constraint, eos)
-    assert abs(sum(expected.values()) - 1) < 1e-4 and len(expected) == 8
+    assert abs(sum(expected.values()) - 1) < 1e-4 and len(expected) == outcomes
     decoder = SpeculativeDecoder(target, default_tokenizer, DraftModelProposer(draft), k=2, eos_token_ids=frozenset({eos}))
     params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=30_000 + i, constraint=constraint) for i in range(N_RUNS)]
     out = decoder.generate_many([prompt] * N_RUNS, params, max_batch=32)

@@ -211,3 +211,27 @@ def test_alpha_gives_a_head_nothing_for_target_tokens_outside_its_vocabulary():
     assert sparse_alpha(logits, torch.tensor([[-1, -1]]), top).item() == pytest.approx(0.1)  # none covered: the rest only
     assert sparse_alpha(logits, torch.tensor([[0, -1]]), top).item() == pytest.approx(0.5 + 0.1)  # the first covered
     assert sparse_alpha(logits, torch.tensor([[0, 1]]), top).item() == pytest.approx(0.5 + 0.3)  # all its mass on the top-2
+
+
+def test_a_served_head_drafts_with_int8_matrices_and_the_learner_trains_the_float_one():
+    """On a CPU the head drafts from a copy whose large matrices are int8 (docs/cpu-speculation.md):
+    its logits stay close to the float head's; the proposer's ``model`` (what the learner copies and
+    trains) stays float32, and a head handed over is served int8 from the next step."""
+    from onlinespec.decoding.feature_head import FeatureHeadConfig, served_copy
+
+    torch.manual_seed(0)
+    hidden, vocab = 576, 4096  # the packaged head's width: its output rows are past SERVED_INT8_FROM
+    embedding, out = torch.randn(vocab, hidden), 0.05 * torch.randn(vocab, hidden)
+    head = FeatureHead(FeatureHeadConfig(hidden_size=hidden, vocab_size=vocab), embedding, torch.arange(2048), out).eval()
+    served = served_copy(head)
+    assert served.served_out is not None and head.served_out is None, "the copy is int8, the head itself untouched"
+    feature, token = torch.randn(8, hidden), torch.arange(8)
+    with torch.inference_mode():
+        exact, approx = head.logits(head.step(feature, token)), served.logits(served.step(feature, token))
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max(), "int8 rows with a scale each: logits within a few percent"
+    proposer = FeatureHeadProposer(head)
+    assert proposer.model is head and proposer.head.served_out is not None
+    trained = head.clone()
+    proposer.swap_model(trained, "v1")
+    proposer.take_swap()
+    assert proposer.model is trained and proposer.head is not served and proposer.head.served_out is not None

@@ -45,7 +45,7 @@ def test_metrics_show_the_memory_budget_used_bytes_and_evictions_by_kind(corrupt
     samples = {(s.name, s.labels.get("kind")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("onlinespec:memory_budget_bytes", None)] == 64 * 2**20
     kinds = {kind for name, kind in samples if name == "onlinespec:memory_used_bytes"}
-    assert kinds == {"replay_buffer", "suffix_index", "draft"}  # fixed kinds, never a client's name
+    assert kinds == {"replay_buffer", "suffix_index", "draft", "prefix_cache"}  # fixed kinds, never a client's name
     assert {kind for name, kind in samples if name == "onlinespec:memory_evictions_total"} == kinds
     assert samples[("onlinespec:memory_used_bytes", "draft")] > 0  # the content router's draft in memory is counted
     assert sum(samples[("onlinespec:memory_used_bytes", k)] for k in kinds) <= 64 * 2**20

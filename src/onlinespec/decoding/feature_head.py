@@ -103,6 +103,7 @@ class FeatureHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=True)
         self.register_buffer("out_rows", torch.empty(0), persistent=False)
         self.register_buffer("restricted_index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.served_out: nn.Module | None = None  # int8 output rows, on a served copy only (:func:`served_copy`)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -113,6 +114,7 @@ class FeatureHead(nn.Module):
         index = torch.full((self.out_weight.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
         index[vocab_ids] = torch.arange(len(vocab_ids), device=vocab_ids.device)
         self.restricted_index = index  # -1: not in the restricted vocabulary
+        self.served_out = None  # int8 rows of an older vocabulary would be stale
 
     def choose_vocab(self, vocab_ids: torch.Tensor) -> None:
         """Serve a new restricted vocabulary of the same size (the body is vocabulary-blind)."""
@@ -127,7 +129,7 @@ class FeatureHead(nn.Module):
 
     def step(self, feature: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """One draft step: the feature at t and the token at t + 1 -> the predicted feature at t + 1."""
-        feature = feature.to(self.fuse.weight.dtype)
+        feature = feature.to(self.out_norm.weight.dtype)  # (the fuse layer may be a quantized copy's: :func:`served_copy`)
         x = torch.cat([self.in_norm_feature(feature), self.in_norm_token(self.embedding[token_ids].to(feature.device, feature.dtype))], -1)
         x = self.fuse(x)
         for block in self.blocks:
@@ -136,6 +138,8 @@ class FeatureHead(nn.Module):
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over the restricted vocabulary ``[..., V_r]`` (index with ``vocab_ids``)."""
+        if self.served_out is not None:  # a served copy's int8 rows (:func:`served_copy`)
+            return self.served_out(feature)
         return feature @ self.out_rows.T
 
     def clone(self) -> FeatureHead:
@@ -233,6 +237,38 @@ def target_tables(target) -> tuple:
     if hasattr(target, "head_tables"):
         return target.head_tables()
     return target.get_input_embeddings().weight.float().cpu(), target.get_output_embeddings().weight.float().cpu()
+
+
+# Matrices of at least this many weights are served in int8 (:func:`served_copy`): the output rows
+# (8,192 x 576) and the blocks' gate-up (2,048 x 576) on the packaged head; smaller ones gain nothing.
+SERVED_INT8_FROM = 1 << 20
+
+
+def served_copy(head: FeatureHead) -> FeatureHead:
+    """The head as it serves on a CPU: a copy whose large matrices (its output rows, the blocks'
+    wide projections) are int8 with a scale per row, multiplied by PyTorch's dynamically quantized
+    matmul (fbgemm/x86), about 4x fewer bytes read per drafted token than float32 (a draft step is
+    memory-bound: docs/cpu-speculation.md). What it proposes is what it computes: its own logits
+    define the draft distribution q the verification reads, so the output stays lossless. The
+    head that trains (the learner's copy) stays float32; on a GPU, or without a quantized engine,
+    the head serves as it is."""
+    if head.out_rows.device.type != "cpu" or not torch.backends.quantized.engine or torch.backends.quantized.engine == "none":
+        return head
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    served = head.clone().eval()
+    out = nn.Linear(served.out_rows.shape[1], served.out_rows.shape[0], bias=False)
+    out.weight = nn.Parameter(served.out_rows.detach(), requires_grad=False)
+    large = {name for name, m in served.named_modules() if isinstance(m, nn.Linear) and m.weight.numel() >= SERVED_INT8_FROM}
+    with warnings.catch_warnings():  # the eager dynamic-quantization API warns that torchao will replace it
+        warnings.simplefilter("ignore")
+        if large:
+            quantize_dynamic(served, {name: per_channel_dynamic_qconfig for name in large}, dtype=torch.qint8, inplace=True)
+        if out.weight.numel() >= SERVED_INT8_FROM:
+            served.served_out = quantize_dynamic(nn.Sequential(out), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return served
 
 
 def is_feature_head(path: str | os.PathLike[str]) -> bool:

@@ -57,17 +57,18 @@ def enabled(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Linear) and "forward" in m.__dict__ for m in model.modules())
 
 
-def use_small_batch_kernels(model: nn.Module, max_width: int = 8) -> tuple[bool, list[float], list[float]]:
+def use_small_batch_kernels(model: nn.Module, max_width: int = 8, reps: int = 5) -> tuple[bool, list[float], list[float]]:
     """Keep the small-batch kernels on ``model`` if they make its forward faster over block widths
-    1..max_width in total. Returns (kept, stock costs, kernel costs) in seconds per width."""
+    1..max_width in total (``reps`` timed forwards per width). Returns (kept, stock costs, kernel
+    costs) in seconds per width."""
     from onlinespec.decoding.calibrate import forward_costs
 
     if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
         return False, [], []
     disable(model)
-    stock = forward_costs(model, max_width=max_width)
+    stock = forward_costs(model, max_width=max_width, reps=reps)
     enable(model)
-    fast = forward_costs(model, max_width=max_width)
+    fast = forward_costs(model, max_width=max_width, reps=reps)
     keep = sum(fast) < sum(stock) and fast[0] <= stock[0] * 1.02
     if not keep:
         disable(model)

@@ -134,7 +134,7 @@ def check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, group:
 
 
 def _check_room(scheduler: FairScheduler, config: CoreConfig, tenant: str, recent_seconds: float) -> None:
-    waiting = len(scheduler.waiting_groups())
+    waiting = scheduler.waiting_requests()
     if waiting >= config.max_waiting:
         raise queue_full(waiting, config, recent_seconds)
     queued, cap = scheduler.queued_tokens(tenant), config.tenant_max_queued_tokens

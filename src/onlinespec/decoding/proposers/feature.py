@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onlinespec.decoding.feature_head import FeatureHead
+from onlinespec.decoding.feature_head import FeatureHead, served_copy
 from onlinespec.decoding.proposal import DraftInput, Proposal
 from onlinespec.decoding.proposers.base import ModelSlot, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
@@ -31,14 +31,24 @@ class FeatureHeadProposer(SwappableDraft):
 
     def __init__(self, head: FeatureHead, name: str = "feature-head", version: str = "v0") -> None:
         self.name = name
-        self.slot = ModelSlot(head.eval(), version)
+        self.slot = ModelSlot(head.eval(), version)  # the float32 head (the one the learner copies and trains)
+        self._served: tuple[FeatureHead, FeatureHead] | None = None  # (that head, its int8 serving copy)
+        self._prepared: tuple[FeatureHead, FeatureHead] | None = None  # the same for the head offered last
 
     @property
     def head(self) -> FeatureHead:
-        return self.slot.model
+        """The head that drafts: the serving copy (:func:`served_copy`) of the slot's head."""
+        model, served = self.slot.model, self._served
+        if served is None or served[0] is not model:
+            ready = self._prepared
+            served = self._served = ready if ready is not None and ready[0] is model else (model, served_copy(model))
+        return served[1]
 
     def swap_model(self, head: FeatureHead, version: str) -> None:
-        super().swap_model(head.eval(), version)
+        """Hand over a new head; its serving copy is made here, on the caller's thread (the
+        learner's), so the engine's step does not pay for it."""
+        self._prepared = (head.eval(), served_copy(head))
+        super().swap_model(head, version)
 
     def start(self, prompt_ids: list[int]) -> HeadState:
         return HeadState()

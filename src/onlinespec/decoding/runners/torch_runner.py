@@ -11,6 +11,7 @@ on the CPU, where verification draws with each request's own CPU generator.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,8 +80,16 @@ class TorchRunner:
         return _out(self.model.get_output_embeddings()(hidden)), _out(hidden)
 
     def fork(self, donor: object, request: object, length: int) -> bool:
-        """Not here: a batched request's rows live in the batch cache among holes; ``request`` prefills its own."""
-        return False
+        """Start ``request``'s cache with a copy of the first ``length`` positions of ``donor``'s,
+        while the donor still prefills alone (its cache its own); False once it has joined the
+        batch (its row lives in the batch cache among holes: ``request`` prefills its own)."""
+        own = self._own.get(id(donor))
+        if own is None or id(request) in self._own or own[1].get_seq_length() < length:
+            return False
+        cache = copy.deepcopy(own[1])
+        truncate_cache(cache, length)
+        self._own[id(request)] = (request, cache)
+        return True
 
     def join(self, request: object, length: int) -> None:
         _, cache = self._own.pop(id(request))
