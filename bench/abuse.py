@@ -19,6 +19,11 @@ resident memory.
     python bench/abuse.py --baseline --minutes 10     # tenant A alone
     python bench/abuse.py --minutes 10                # A and B; ratios against the baseline
     python bench/abuse.py --minutes 1 --out runs/abuse/quick   # a quick look (not a measurement)
+    python bench/abuse.py --minutes 1 --b-kinds echo4k --py-spy PATH   # one kind of B's requests; the server's stacks
+
+``--b-kinds`` picks B's kinds (comma-separated; default all four), to find which one hurts A;
+``--py-spy`` records the server's threads with a py-spy binary (``pip download py-spy``) into
+WORK/profile.txt (collapsed stacks), where the engine thread's time goes while A waits.
 
 Writes OUT.json and OUT.png (default docs/results/abuse); docs/reliability.md quotes them.
 """
@@ -166,16 +171,26 @@ def sample_server(url: str, pid: int, deadline: float, samples: list) -> None:
     import httpx
     import psutil
 
-    process = psutil.Process(pid)
+    process, me = psutil.Process(pid), psutil.Process()
     while time.monotonic() < deadline:
         try:
             rss = process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))
             text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+            cpu = (sum(process.cpu_times()[:2]), sum(me.cpu_times()[:2]))  # CPU seconds: the server's, the clients' (this process)
         except (psutil.Error, httpx.HTTPError):
             return
         generated = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("onlinespec:generation_tokens_total"))
-        samples.append({"t": time.perf_counter(), "rss_bytes": rss, "generated": generated})
+        samples.append({"t": time.perf_counter(), "rss_bytes": rss, "generated": generated, "server_cpu_s": cpu[0], "clients_cpu_s": cpu[1]})
         time.sleep(2.0)
+
+
+def cores_used(samples: list) -> dict:
+    """The cores the server and the clients (this process) used on average over the run: on one
+    machine, the clients' share is CPU the server did not have."""
+    if len(samples) < 2:
+        return {}
+    span = samples[-1]["t"] - samples[0]["t"]
+    return {who: round((samples[-1][f"{who}_cpu_s"] - samples[0][f"{who}_cpu_s"]) / span, 2) for who in ("server", "clients")}
 
 
 def count_b_tokens(record: Record) -> None:
@@ -286,7 +301,7 @@ def summarise(args, record: Record, memory: list, server_args: list, machine: di
         "a_ttft_p50_s": percentile(ttft, 0.5), "a_ttft_p99_s": percentile(ttft, 0.99), "a_tpot_p50_s": percentile(tpot, 0.5),
         "a_tokens": sum(r["tokens"] for r in ok), "b_requests": len(record.b), "b_statuses": statuses,
         "b_other_answers": {str(k): v for k, v in record.b_refused.items()},
-        **b_share(record), "memory_peak_bytes": max((m["rss_bytes"] for m in memory), default=None),
+        **b_share(record), "cores_used": cores_used(memory), "memory_peak_bytes": max((m["rss_bytes"] for m in memory), default=None),
         "memory": [{"t_s": round(m["t"] - t0, 1), "rss_bytes": m["rss_bytes"], "generated": m["generated"]} for m in memory],
         "a_timeline": [{"t_s": round(r["start"] - t0, 1), "ttft_s": r["ttft_s"]} for r in ok],
     }

@@ -1,5 +1,6 @@
 """The fair scheduler's order with fake requests and a fake engine (no model): who gets the batch's
-slots between tenants and between one tenant's requests (issue 46; docs/serve.md, "Scheduling")."""
+slots between tenants and between one tenant's requests (issue 46; docs/serve.md, "Scheduling"); and
+with the engine on a tiny random target, whose prompt the step's prefill budget serves first."""
 
 from __future__ import annotations
 
@@ -159,6 +160,78 @@ def test_charges_of_idle_tenants_that_owe_nothing_are_dropped():
         scheduler.submit(request(2), tenant=f"t{i}")
     scheduler.run()
     assert scheduler.served == {} and scheduler.group_served == {}
+
+
+# ---- with the engine (a tiny random target): what the step's prefill budget serves first ------------------
+
+
+def _decoder(tiny_target, chunk: int = 4):
+    from onlinespec.decoding.speculative import SpeculativeDecoder
+
+    return SpeculativeDecoder(tiny_target, prefill_chunk=chunk)
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["plain", "echo-logprobs"])
+def test_a_long_prompt_alone_prefills_in_bounded_steps_and_a_request_arriving_meanwhile_starts_first(tiny_target, scored):
+    """Issue 46: on an empty batch a long prompt ran whole in one step (a scored one, every chunk
+    but its last), so a request arriving meanwhile waited for all of it; now every step prefills
+    at most ``prefill_chunk`` tokens, and the newcomer's short prompt joins at the next step."""
+    decoder = _decoder(tiny_target)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=1 if scored else None)
+    prompt = [1, 2, 3, 4, 5] * 4
+    scheduler = FairScheduler(decoder.engine, max_batch=4)
+    long = scheduler.submit(decoder.request(prompt, params), tenant="B")
+    _, report = scheduler.step()
+    assert report.prefill_tokens <= 4 and not long.stop.generated
+    short = scheduler.submit(decoder.request([2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)), tenant="A")
+    scheduler.step()
+    assert short.stop.generated and not long.stop.generated
+    scheduler.run()
+    alone = _decoder(tiny_target, chunk=256).generate(prompt, params)
+    assert long.stop.generated == alone.token_ids  # the same text, prefilled in chunks or at once
+    if scored:
+        assert [p.token for p in long.prompt_logprobs[1:]] == [p.token for p in alone.prompt_logprobs[1:]]
+        assert [p.logprob for p in long.prompt_logprobs[1:]] == pytest.approx([p.logprob for p in alone.prompt_logprobs[1:]], abs=1e-4)
+
+
+def test_the_steps_prefill_budget_goes_to_the_less_served_tenant_first(tiny_target):
+    """Issue 46: the prefill budget went in order of admission, so tenant B's long prompt, admitted
+    first, took every step's budget until it was done, and tenant A's new short prompt waited
+    behind it (A's time to first token: all of B's prefill). It goes in the fair order now."""
+    decoder = _decoder(tiny_target)
+    scheduler = FairScheduler(decoder.engine, max_batch=4)
+    running = scheduler.submit(decoder.request([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True)), tenant="A", group="a1")
+    scheduler.step()  # A's first request decodes: the batch is not empty
+    long = scheduler.submit(decoder.request([1, 2, 3, 4, 5] * 8, SamplingParams(max_new_tokens=3, ignore_eos=True)), tenant="B", group="b")
+    scheduler.step()
+    short = scheduler.submit(decoder.request([3, 1, 4], SamplingParams(max_new_tokens=2, ignore_eos=True)), tenant="A", group="a2")
+    scheduler.step()
+    assert short.stop.generated and not long.stop.generated  # before: B's 40-token prompt first, 4 tokens a step
+    assert not running.finished
+    scheduler.run()
+    assert long.stop.generated == _decoder(tiny_target).generate([1, 2, 3, 4, 5] * 8, SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
+
+
+def test_a_tenant_ahead_of_another_prefills_a_rows_worth_a_step_while_the_other_decodes(tiny_target):
+    """Issue 46: tenant B's long prompt took the step's whole prefill budget every step (on the
+    llama.cpp target a 256-token scored chunk is seconds, a decoding step a tenth of one), each of
+    tenant A's steps paying for it; now B prefills up to PREFILL_SLACK tokens past A's charge,
+    then one row's block (k + 1 tokens) a step as A is served, and its text is the same."""
+    decoder = _decoder(tiny_target, chunk=16)
+    scheduler = FairScheduler(decoder.engine, max_batch=4)
+    a = scheduler.submit(decoder.request([1, 2], SamplingParams(max_new_tokens=200, ignore_eos=True)), tenant="A", group="a")
+    scheduler.step()
+    prompt, params = [1, 2, 3, 4, 5] * 20, SamplingParams(max_new_tokens=3, ignore_eos=True)
+    b = scheduler.submit(decoder.request(prompt, params), tenant="B", group="b")
+    prefilled = []
+    while not b.stop.generated:
+        prefilled.append(scheduler.step()[1].prefill_tokens)
+    assert not a.finished
+    assert prefilled[:4] == [16] * 4  # PREFILL_SLACK (64) in chunks of 16 (before: 16 every step)
+    assert prefilled[4] <= 4 + 1  # what A was served meanwhile (a token a step)
+    assert max(prefilled[5:]) <= decoder.engine.k + 1  # then a row's block a step, as A is served
+    scheduler.run()
+    assert b.stop.generated == _decoder(tiny_target).generate(prompt, params).token_ids
 
 
 def _reference_next(scheduler: FairScheduler, whose: dict[RequestState, tuple]) -> RequestState:

@@ -130,3 +130,44 @@ def test_serve_takes_vllms_prefix_caching_flags(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert (seen["core"].enable_prefix_caching, seen["core"].prefix_cache_cells) == (False, 2048)
     assert runner.invoke(app, ["serve", "models/tiny", "--prefix-cache-cells", "0", *out]).exit_code == 2
+
+
+@pytest.mark.slow
+def test_a_preempted_request_prefills_from_its_own_cells_when_readmitted(target):
+    """Issue 46: a choice preempted for another tenant prefilled its whole text again (prompt and
+    every token it had generated) when readmitted, its chunks riding in the others' steps; its
+    cells now stay in the prefix cache as it leaves, and it starts from them: it prefills what
+    it had not computed (one token), and its text is the one it would have had unpreempted."""
+    from onlinespec.decoding.engine import SpeculativeEngine
+    from onlinespec.decoding.request import RequestState
+    from onlinespec.decoding.sampling import SamplingParams
+    from onlinespec.decoding.scheduler import FairScheduler
+    from onlinespec.decoding.stopping import StopChecker
+
+    ids = target.tokenizer("Tell me a story about a lighthouse keeper.").input_ids
+
+    def served(preempt: bool) -> tuple[list[int], int]:
+        engine = SpeculativeEngine(target.runner(2, context=256, prefix_cache=True), frozenset(), k=0)
+        scheduler = FairScheduler(engine, max_batch=1, quantum=4)  # one slot, two tenants: time slices
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        b = RequestState(list(ids), params, StopChecker(params, frozenset(), None), cache_key=A)
+        scheduler.submit(b, tenant="B")
+        while len(b.stop.generated) < 20:
+            scheduler.step()
+        readmitted = None
+        if preempt:
+            a_params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+            scheduler.submit(RequestState([5, 6, 7], a_params, StopChecker(a_params, frozenset(), None), cache_key=B), tenant="A")
+            while b in scheduler.running:  # until its time slice ends
+                scheduler.step()
+            assert scheduler.preempted == 1 and len(b.stop.generated) < 40
+            while b not in scheduler.running:  # A runs, then B is readmitted
+                _, report = scheduler.step()
+            readmitted = report.prefill_tokens
+        scheduler.run()
+        return b.stop.generated, readmitted
+
+    unpreempted, _ = served(False)
+    text, prefilled = served(True)
+    assert prefilled == 1  # before: its prompt and 20 generated tokens again
+    assert text == unpreempted

@@ -169,3 +169,16 @@ def test_serve_flags_reach_the_core_and_the_server(tmp_path, monkeypatch):
     assert (settings.body_timeout, settings.max_connections, settings.keep_alive_timeout) == (7.0, 50, 9.0)
     result = CliRunner().invoke(cli.app, [*args, "--tenant-weight", "gold"])
     assert result.exit_code == 2 and "--tenant-weight" in result.output
+
+
+def test_a_callers_refusals_past_its_rate_wait_and_served_requests_never_do(fair):
+    """Issue 46 (the tenant-header flood): a client answered 401 or 403 hundreds of times a second
+    took the event loop from every stream. Past a burst of 20, a caller's refusals are held back
+    (Retry-After), the answer unchanged; another caller's served request is not."""
+    wrong, body = {"Authorization": "Bearer not-a-key"}, {"model": fair.model, "prompt": "Hi", "max_tokens": 1}
+    answers = [httpx.post(fair.url + COMPLETIONS, json=body, headers=wrong, timeout=60) for _ in range(50)]
+    assert [a.status_code for a in answers] == [401] * 50
+    held = ["retry-after" in a.headers for a in answers]  # the bucket refills 5 a second meanwhile
+    assert not any(held[:10]) and all(held[-10:]), held
+    served = httpx.post(fair.url + COMPLETIONS, json=body, headers=A, timeout=60)
+    assert served.status_code == 200 and "retry-after" not in served.headers

@@ -55,6 +55,7 @@ def serve(
     body_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request's body may take to arrive once its headers have; then 408 and the connection closes")] = ServerSettings.body_timeout,
     max_connections: Annotated[int, typer.Option(min=1, help="open connections (and requests in flight) past which new requests get 503 (uvicorn's --limit-concurrency)")] = ServerSettings.max_connections,
     keep_alive_timeout: Annotated[float, typer.Option(min=1, help="seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)")] = ServerSettings.keep_alive_timeout,
+    refusal_rate: Annotated[float, typer.Option(min=0, help="a caller's 401 and 403 answers a second past a burst of 20; later ones wait, with Retry-After (0: off)")] = ServerSettings.refusal_rate,
     static_baseline: Annotated[bool, typer.Option(help="also serve the starting draft kept static, as draft 'static' (A/B comparisons)")] = False,
     fresh_baseline: Annotated[bool, typer.Option(help="also serve, as draft 'fresh', the draft born from nothing (hybrid:fresh), "
                                                      "learning from the requests that name it (the cold start beside the packaged head)")] = False,
@@ -82,7 +83,7 @@ def serve(
     core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
     settings = _server_settings(core.model_name, names, (api_key, api_key_file), (admin_key, admin_key_file), tenant_header=tenant_header,
                                 max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, body_timeout=body_timeout,
-                                max_connections=max_connections, keep_alive_timeout=keep_alive_timeout)
+                                max_connections=max_connections, keep_alive_timeout=keep_alive_timeout, refusal_rate=refusal_rate)
     logs = user_errors(lambda: LogSettings(log_level, log_format))
     if scale is not None:  # the replicas log as the front does
         scale = replace(scale, logs=logs)

@@ -185,28 +185,38 @@ class SpeculativeEngine:
                 proposer.take_swap()
 
     def _admit(self, active: list[RequestState], decoding: list[RequestState], report: StepReport) -> list[RequestState]:
-        """Run the prompt chunks of requests not in the batch yet, within this step's budget;
-        return those whose last chunk fits (they verify in this step, in forwards of their own)."""
+        """Run the prompt chunks of requests not in the batch yet, in ``active``'s order (the
+        scheduler's fair order); return those whose last chunk fits (they verify in this step, in
+        forwards of their own). While others decode, at most ``prefill_chunk`` tokens run in all;
+        on an empty batch every prompt that fits a chunk joins at once, and of longer ones one
+        chunk runs a step (a 4k-token prompt alone took one step of minutes, during which nothing
+        that arrived was admitted: issue 46). A request prefills at most what its tenant's fair
+        share of the step leaves (``prefill_share``), and one row's block (k + 1 tokens) at least."""
         running = {id(r) for r in decoding}
-        budget = self.prefill_chunk if decoding else None  # nobody waits on an empty batch
-        joining = []
+        budget = self.prefill_chunk if decoding else None  # None: nobody decodes
+        joining, filling = [], []
         for r in active:
             if r.finished or id(r) in running:
                 continue
             self._share_prompt(r, report)
-            if budget is None and r.params.prompt_logprobs is not None:  # scored chunks stay within prefill_chunk
-                while not r.finished and len(r.ids) - r.prefilled > self.prefill_chunk:
-                    self._prefill(r, r.ids[r.prefilled: r.prefilled + self.prefill_chunk], report)
-                if r.finished:
-                    continue
-            rest = len(r.ids) - r.prefilled
-            if budget is None or rest <= budget:
+            if _may_share(r) and any(o.prompt_ids == r.prompt_ids for o in filling):
+                continue  # another choice of its prompt is prefilling it: copy its cells once it holds them
+            rest, share = len(r.ids) - r.prefilled, r.prefill_share
+            room = self.prefill_chunk if budget is None else budget
+            room = room if share is None else min(room, max(share[0], self.k + 1))
+            if rest <= room:
                 joining.append(r)
-                budget = None if budget is None else budget - rest
+                spent = rest
+            elif room > 0 and not (budget is None and filling):  # a chunk that does not reach the end of the prompt
+                self._prefill(r, r.ids[r.prefilled: r.prefilled + room], report)
+                filling.append(r)
+                spent = room
+            else:
+                filling.append(r)
                 continue
-            if budget > 0:  # a chunk that does not reach the end of the prompt
-                self._prefill(r, r.ids[r.prefilled: r.prefilled + budget], report)
-                budget = 0
+            budget = None if budget is None else budget - spent
+            if share is not None:
+                share[0] -= spent
         return joining
 
     def _prefill(self, r: RequestState, chunk: list[int], report: StepReport) -> None:
@@ -271,10 +281,14 @@ class SpeculativeEngine:
     def _share_prompt(self, r: RequestState, report: StepReport) -> None:
         """A new request whose prompt another request in the runner holds (the ``n`` choices of
         one prompt) copies that cache instead of computing it again, when the runner can: all of
-        the prompt but its last token, which runs with the request's first proposals."""
-        shared = len(r.prompt_ids) - 1
-        if r.prefilled or shared < MIN_SHARED_PREFILL or r.params.prompt_logprobs is not None or len(r.ids) != len(r.prompt_ids):
+        the prompt but its last token, which runs with the request's first proposals. A preempted
+        request starts from its own cells, when the runner's prefix cache kept them as it left."""
+        if not r.prefilled and len(r.ids) > len(r.prompt_ids) and r.params.prompt_logprobs is None:
+            self._reuse_prefix(r, report)
             return
+        if not _may_share(r):
+            return
+        shared = len(r.prompt_ids) - 1
         donor = next((d for d in self.runner.holding() if d is not r and d.prompt_ids == r.prompt_ids and not d.finished), None)
         if donor is not None and self.runner.fork(donor, r, shared):
             r.prefilled = shared
@@ -286,16 +300,20 @@ class SpeculativeEngine:
     def _reuse_prefix(self, r: RequestState, report: StepReport) -> None:
         """A new prompt starts from the cells of the longest prefix an earlier request of its key
         left in the runner's prefix cache (:mod:`onlinespec.decoding.prefix_cache`; llama.cpp
-        only), counted once as a query of its prompt's tokens, and its hit as cached tokens."""
-        reuse = getattr(self.runner, "reuse", None)
-        if reuse is None or r.cache_key is None or r.stats.prefix_queried:
+        only), counted once as a query of its prompt's tokens, and its hit as cached tokens. A
+        preempted request looks up its whole text (its own cells, as it left the batch), at each
+        step until it prefills: its prefill again is a copy, not a recomputation (issue 46)."""
+        reuse, again = getattr(self.runner, "reuse", None), len(r.ids) > len(r.prompt_ids)
+        if reuse is None or r.cache_key is None or (r.stats.prefix_queried and not again):
             return
-        reused = reuse(r, r.prompt_ids, MIN_SHARED_PREFILL)
+        reused = reuse(r, r.ids if again else r.prompt_ids, MIN_SHARED_PREFILL)
         if reused is None:  # the runner keeps no prefix cache
             return
-        r.stats.prefix_queried = len(r.prompt_ids)
+        if not again:
+            r.stats.prefix_queried = len(r.prompt_ids)
+            r.stats.cached_tokens = reused
         if reused:
-            r.prefilled = r.stats.cached_tokens = reused
+            r.prefilled = reused
             report.shared_prefill_tokens += reused
             self.shared_prefill_tokens += reused
 
@@ -426,6 +444,12 @@ def _score_prompt(r: RequestState, logits: torch.Tensor, start: int) -> None:
     a request recomputed after a failed step does not score its prompt again)."""
     if len(r.prompt_logprobs) == start + 1:
         r.prompt_logprobs.extend(score(logits, r.prompt_ids[start + 1: start + 1 + len(logits)], r.params.prompt_logprobs))
+
+
+def _may_share(r: RequestState) -> bool:
+    """Whether ``r`` may start from another request's cells of its prompt: a new, unscored request
+    whose prompt is long enough to be worth the copy."""
+    return not r.prefilled and len(r.ids) == len(r.prompt_ids) and len(r.prompt_ids) - 1 >= MIN_SHARED_PREFILL and r.params.prompt_logprobs is None
 
 
 def _uses_features(r: RequestState) -> bool:

@@ -189,6 +189,10 @@ class RequestState:
     generator: torch.Generator | None = None
     draft_state: Any = None  # the proposer's state for this request (Proposer.start)
     prefilled: int = 0  # tokens of ``ids`` already in the target cache while it (re)fills (chunked prefill)
+    # the tokens its tenant may still prefill in this step, one list shared by the tenant's running
+    # requests (the scheduler's fair share, each step; a request gets one row's block, k + 1, at least);
+    # None: the step's whole prefill budget
+    prefill_share: list[int] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
     embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)

@@ -4,16 +4,24 @@ A request waits in the admission queue until a slot is free; it then joins at th
 prompt prefilled in chunks, :mod:`onlinespec.decoding.engine`) and leaves as soon as it finishes.
 Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Scheduling"):
 
-* between **tenants**: each tenant is charged the tokens it was served (its prompts once, each new
-  token); a free slot goes to the tenant with work waiting whose charge over its weight is least.
-  A tenant that had no work starts at the least charge among those that have (no credit banked
-  while idle). When a tenant with work waiting holds fewer slots than its share (``max_batch`` x
-  its weight over the weights of the tenants with work), a running choice of a tenant over its
-  share is preempted: it leaves the batch, keeps its text, and prefills its tokens again when it
-  is admitted next (as vLLM recomputes a preempted request, :meth:`RequestState.recompute`).
-  One tenant may so use every slot while it is alone, and not one more than its share once
-  another has work waiting. When shares round to less than a slot (more tenants with work than
-  slots), slots turn over in time slices of ``quantum`` new tokens, to the least charged tenant.
+* between **tenants**: each tenant is charged the tokens it was served (its prompts once, as they
+  prefill, and each new token); a free slot goes to the tenant with work waiting whose charge over
+  its weight is least. A tenant that had no work starts at the least charge among those that have
+  (no credit banked while idle). When a tenant with work waiting holds fewer slots than its share
+  (``max_batch`` x its weight over the weights of the tenants with work), a running choice of a
+  tenant over its share is preempted: it leaves the batch, keeps its text, and prefills its tokens
+  again when it is admitted next (as vLLM recomputes a preempted request,
+  :meth:`RequestState.recompute`), or copies its own cells where the runner's prefix cache kept
+  them (llama.cpp). One tenant may so use every slot while it is alone, and not one more than its
+  share once another has work waiting. When shares round to less than a slot (more tenants with
+  work than slots), slots turn over in time slices of ``quantum`` new tokens, to the least charged
+  tenant.
+* within a **step**: the engine spends its prefill budget on the running choices of the least
+  charged tenant first (a tenant's own in order of admission), and each tenant prefills at most
+  up to ``PREFILL_SLACK`` tokens past the least charged other running tenant's charge
+  (``RequestState.prefill_share``; a choice one row's block, k + 1 tokens, at least): another
+  tenant's long prompt, or its preempted choices' texts, run a few tokens a step as the others
+  are served, and never make their steps seconds long.
 * within a tenant, between **requests** (a ``group``: the ``n`` choices of one HTTP request
   share one): lower ``priority`` first (vLLM's field), then the request with the fewest tokens
   served, then first come. A 16-choice request is 16 units of work, each choice a slot.
@@ -41,6 +49,7 @@ from onlinespec.decoding.request import RequestState
 
 DEFAULT_MAX_BATCH = 8  # requests verified per step
 DEFAULT_QUANTUM = 512  # new tokens a choice runs before a time slice may preempt it (more tenants with work than slots)
+PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
 
 
 @dataclass
@@ -52,7 +61,8 @@ class _Entry:
     priority: int
     seq: int
     request: RequestState
-    charged: bool = False  # its prompt tokens were charged (at its first admission)
+    charged: bool = False  # it was admitted once (its time in the queue is measured)
+    prompt: int = 0  # its prompt tokens charged so far (as they prefill, once: a preempted choice's refill is not)
     seen: int = 0  # its new tokens charged so far
     since: int = 0  # its new tokens when it was last admitted
     stamp: int | None = None  # while it waits: the stamp of its item in its bucket's heap
@@ -255,7 +265,18 @@ class FairScheduler:
         ones included)."""
         with self._lock:
             self._admit()
-            active = list(self.running)
+            # the engine spends the step's prefill budget in this order: the least charged tenant's first (a
+            # tenant's own in order of admission), so one tenant's long prompt never holds back another's
+            entries = [self._entries[id(r)] for r in self.running]
+            ranked = sorted(zip(self.running, entries), key=lambda p: self._charge(p[1].tenant))
+            active = [r for r, _ in ranked]
+            # each tenant prefills up to PREFILL_SLACK tokens past the least charged other running tenant a step:
+            # its long prompts and preempted texts never make the others' steps long (issue 46)
+            charges = {e.tenant: self._charge(e.tenant) for e in entries}
+            shares = {t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * self._weight(t)))]
+                      for t, c in charges.items() if len(charges) > 1}
+            for r, e in ranked:
+                r.prefill_share = shares.get(e.tenant)
         if not active:
             return [], None
         try:
@@ -353,7 +374,6 @@ class FairScheduler:
         entry.since = len(request.stop.generated)
         if not entry.charged:
             request.stats.queued_seconds = time.perf_counter() - request.submitted
-            self._add(entry, len(request.prompt_ids))
             entry.charged = True
         self.running.append(request)
 
@@ -380,10 +400,10 @@ class FairScheduler:
     def _charge_step(self, active: list[RequestState]) -> None:
         for r in active:
             entry = self._entries.get(id(r))
-            if entry is not None:
-                done = len(r.stop.generated)
-                self._add(entry, done - entry.seen)
-                entry.seen = done
+            if entry is not None:  # its prompt as it prefills (so a long one paces its tenant as it runs), its new tokens
+                prompt, done = min(r.prefilled, len(r.prompt_ids)) if not r.stop.generated else len(r.prompt_ids), len(r.stop.generated)
+                self._add(entry, max(prompt - entry.prompt, 0) + done - entry.seen)
+                entry.prompt, entry.seen = max(prompt, entry.prompt), done
 
     def _add(self, entry: _Entry, tokens: int) -> None:
         self.served[entry.tenant] = self.served.get(entry.tenant, 0.0) + tokens

@@ -13,6 +13,7 @@ serves, 500 if loading failed, as llama-server answers; ``GET /ready``: model lo
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from contextlib import asynccontextmanager
 
@@ -26,7 +27,7 @@ from onlinespec.serve.interface import Core
 from onlinespec.serve.logs import AccessLog
 from onlinespec.serve.openai_routes import openai_router
 from onlinespec.serve.tokenizer_routes import tokenizer_router
-from onlinespec.serve.web import Access, ServerSettings, error_response
+from onlinespec.serve.web import Access, RefusalLimiter, ServerSettings, error_response
 
 LOADING = ("starting", "loading", "calibrating")  # the statuses before a core first serves (ServingCore's, RayCore's)
 
@@ -44,7 +45,7 @@ def create_app(core: Core, settings: ServerSettings | None = None) -> FastAPI:
         await asyncio.to_thread(core.shutdown, drain_seconds=settings.drain_seconds)
 
     app = FastAPI(title="onlinespec", lifespan=lifespan, docs_url=None, redoc_url=None)
-    add_error_handlers(app)
+    add_error_handlers(app, RefusalLimiter(settings.refusal_rate))
     app.add_middleware(AccessLog)
     access = Access(settings)
     app.include_router(openai_router(core, settings, access))
@@ -54,12 +55,18 @@ def create_app(core: Core, settings: ServerSettings | None = None) -> FastAPI:
     return app
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error, ours, Starlette's (404, 405) or unexpected, answers in OpenAI's shape."""
+def add_error_handlers(app: FastAPI, refusals: RefusalLimiter | None = None) -> None:
+    """Every error, ours, Starlette's (404, 405) or unexpected, answers in OpenAI's shape; a
+    caller's 401s and 403s past its rate wait first (``refusals``)."""
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, err: ServeError):
-        return error_response(err, request.headers.get("x-request-id"))
+        response = error_response(err, request.headers.get("x-request-id"))
+        wait = refusals.wait(request, err.status) if refusals is not None else 0.0
+        if wait:
+            response.headers["Retry-After"] = str(math.ceil(wait))
+            await asyncio.sleep(wait)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

@@ -5,6 +5,9 @@ request bodies, and OpenAI's error body ``{"error": {"message", "type", "param",
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -27,6 +30,7 @@ class ServerSettings:
     body_timeout: float = 30.0  # seconds a request's body may take to arrive, once its headers have: then 408, connection closed
     max_connections: int = 1000  # open connections (and requests in flight) past which new requests get 503 (uvicorn's limit_concurrency)
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    refusal_rate: float = 5.0  # a caller's 401 and 403 answers per second past a burst of 20; more wait (RefusalLimiter; 0: off)
     load_in_background: bool = True  # answer /health while the model loads
 
     @property
@@ -131,6 +135,38 @@ class Access:
             raise Forbidden("the admin API is off: start the server with --admin-key")
         if not same_key(request.headers.get("authorization", ""), f"Bearer {key}"):
             raise Unauthorized("missing or wrong admin key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+REFUSALS = (401, 403)  # the refusals RefusalLimiter counts: a wrong key, a tenant the key may not act for
+
+
+class RefusalLimiter:
+    """A per-caller rate limit on refused requests (issue 46). A client that floods the server with
+    requests it refuses (a tenant header naming tenants its key may not act for, a wrong key) cost
+    the event loop hundreds of answers a second, taken from every tenant's streams; past a burst
+    of ``burst`` refusals, a caller's are answered ``rate`` a second, each later one held back
+    (an asyncio sleep: no work) by what its bucket lacks, at most ``longest`` seconds, with
+    ``Retry-After``. The answer is the same; requests the server serves are never held. The
+    caller is its key for a 403 (the key is valid), its address for a 401 (any key may be sent);
+    the callers kept are bounded (least recent out)."""
+
+    def __init__(self, rate: float, burst: int = 20, longest: float = 10.0, callers: int = 4096) -> None:
+        self.rate, self.burst, self.longest, self.callers = rate, burst, longest, callers
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # caller -> (refusals left, when)
+
+    def wait(self, request: Request, status: int) -> float:
+        """Seconds to hold this refusal back (0: answer now); counts it (on the event loop only)."""
+        if not self.rate or status not in REFUSALS:
+            return 0.0
+        given = request.headers.get("authorization", "") if status == 403 else (request.client.host if request.client else "")
+        caller = hashlib.sha256(f"{status // 2}:{given}".encode()).hexdigest()[:24]  # never the key itself
+        now = time.monotonic()
+        left, when = self._buckets.pop(caller, (float(self.burst), now))
+        left = max(min(self.burst, left + (now - when) * self.rate) - 1, -self.longest * self.rate)
+        self._buckets[caller] = (left, now)
+        if len(self._buckets) > self.callers:
+            self._buckets.popitem(last=False)
+        return 0.0 if left >= 0 else min(-left / self.rate, self.longest)
 
 
 async def read_body(request: Request, limit: int, deadline: float | None = None) -> bytes:
