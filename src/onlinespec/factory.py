@@ -181,8 +181,8 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "cpu": _cpu_name(),
            "kernels": "choose" if kernels else small_batch.enabled(model), "kernel_width": kernel_width, "max_width": max_width,
            "batches": list(batches), "contexts": list(CONTEXTS)}
-    quick = os.environ.get(CALIBRATION_REPS)
-    reps = int(quick) if quick else 3
+    quick = int(os.environ.get(CALIBRATION_REPS) or 0)  # 0: the defaults
+    reps = quick or 3
     if reps != 3:  # a quicker, noisier curve is kept apart from the full one
         key["reps"] = reps
     llama = target.backend == "llama.cpp"
@@ -206,8 +206,7 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
             return curve
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
             log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
-    chosen = (small_batch.use_small_batch_kernels(model, max_width=kernel_width, reps=int(quick) if quick else 5)[0] if kernels
-              else small_batch.enabled(model))
+    chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width, reps=quick or 5)[0] if kernels else small_batch.enabled(model)
     measure = lambda: measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches, reps=reps)
     curve, steady = steady_curve(measure) if "reps" not in key else (measure(), True)  # a quick curve is noisy anyway
     if not steady:  # a curve measured while something else ran would steer adaptive k wrong for good: not kept

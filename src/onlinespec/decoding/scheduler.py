@@ -401,7 +401,8 @@ class FairScheduler:
         for r in active:
             entry = self._entries.get(id(r))
             if entry is not None:  # its prompt as it prefills (so a long one paces its tenant as it runs), its new tokens
-                prompt, done = min(r.prefilled, len(r.prompt_ids)) if not r.stop.generated else len(r.prompt_ids), len(r.stop.generated)
+                done = len(r.stop.generated)
+                prompt = len(r.prompt_ids) if done else min(r.prefilled, len(r.prompt_ids))
                 self._add(entry, max(prompt - entry.prompt, 0) + done - entry.seen)
                 entry.prompt, entry.seen = max(prompt, entry.prompt), done
 
