@@ -1,7 +1,8 @@
 """Does speculation pay on this CPU? onlinespec on the shipped and converted weights against plain llama.cpp.
 
 On held-out packaged prompts (the `heldout` split: 20 chat, 20 code, 20 maths by default), and
-optionally standard-library documentation to summarise (answers that quote their prompt), greedy,
+optionally standard-library documentation to summarise and standard-library functions to edit
+(`--edits`: return the code with one name changed, answers that quote their prompt), greedy,
 batch 1, interleaved prompt by prompt with the order rotated (this machine's speed drifts):
 
 - `llama.cpp Q4_1`: llama-cpp-python's own generation on the shipped file (what a user runs);
@@ -15,6 +16,7 @@ reported). Ratios are pooled tokens/s and per domain, against `llama.cpp Q4_1`.
 
     python bench/cpu_speculation.py                        # 60 prompts, q8_0 beside the shipped file (~10 min)
     python bench/cpu_speculation.py --formats as-is,q8_0,f16 --summaries 20
+    python bench/cpu_speculation.py --formats as-is --edits 20       # where acceptance is high
     python bench/cpu_speculation.py --target ~/.cache/onlinespec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --formats as-is --n 60 --domains code      # the 1.5B on 20 code prompts (issue 45)
 
@@ -36,7 +38,7 @@ import harness
 from onlinespec.baselines import PlainLlamaCpp
 from onlinespec.benchmark import divergence_gap
 from onlinespec.data import read_queries_jsonl
-from onlinespec.data.sources import MissingDataError, long_prompts
+from onlinespec.data.sources import MissingDataError, edit_prompts, long_prompts
 from onlinespec.decoding.runners.llamacpp import cpu_threads
 from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.factory import engine_options, make_proposer, new_decoder
@@ -57,6 +59,8 @@ def queries(args):
     if args.summaries:  # as many as the standard library offers, up to the number asked
         docs = next(p for n in range(2 * args.summaries, 0, -1) if (p := _long_prompts(n)) is not None)
         found += [q for q in docs if q.domain == "docs"][: args.summaries]
+    if args.edits:
+        found += edit_prompts(args.edits)
     return found
 
 
@@ -167,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=60, help="held-out packaged prompts (chat, code, maths in turn)")
     parser.add_argument("--summaries", type=int, default=0, help="also this many documentation-summary prompts (domain docs)")
+    parser.add_argument("--edits", type=int, default=0, help="also this many code-editing prompts (domain edit)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target", default="default", help="a GGUF file (default: the packaged SmolLM2-135M)")
     parser.add_argument("--domains", default="", help="keep only these domains of the exported prompts (chat,code,maths)")

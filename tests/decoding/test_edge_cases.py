@@ -529,6 +529,19 @@ def test_ngram_lookup_copies_after_the_latest_longest_match():
     assert lookup(np.array([1, 2, 3]), 4, max_ngram=3, min_ngram=1) == []
 
 
+def test_a_longer_verbatim_match_makes_a_more_confident_copy():
+    import numpy as np
+
+    from onlinespec.decoding.proposers.ngram import copy_proposal
+
+    chance = copy_proposal(np.array([7, 1, 2, 5, 9, 8, 1, 2]), 2, max_ngram=3, min_ngram=2)
+    quoted = copy_proposal(np.array([3, 4, 5, 6, 1, 2, 5, 9, 3, 4, 5, 6, 1, 2]), 2, max_ngram=3, min_ngram=2)
+    assert chance.tokens == quoted.tokens == [5, 9] and chance.drafter == quoted.drafter == "ngram"
+    assert chance.confidences == [0.5, 0.5]  # two tokens matched
+    assert quoted.confidences[0] == pytest.approx(6 / 8)  # six: the quoted line goes on
+    assert copy_proposal(np.array([1, 2, 3]), 2, max_ngram=3, min_ngram=2) is None
+
+
 def test_a_prompt_and_budget_past_the_context_is_a_clear_error(tiny_target):
     decoder = SpeculativeDecoder(tiny_target)  # the target alone (k = 0), a 256-token context
     with pytest.raises(ValueError, match=r"prompt \(200 tokens\) \+ max_new_tokens \(60\) exceeds the model's context of 256 "

@@ -52,6 +52,16 @@ def test_a_step_that_drafts_nothing_for_long_explores_and_verifies_all_it_drafte
     assert planner.verify(rows, [Proposal([7], confidences=[0.01])], 1, 64)[0] == 1  # not exploring: plain decoding
 
 
+def test_where_the_budget_asks_nothing_a_greedy_request_may_still_look_up_for_free():
+    planner, adaptive = StepPlanner(3), AdaptiveK(CHEAP)
+    crowd = [request(adaptive) for _ in range(7)] + [request(adaptive, greedy=False), request(adaptive, fixed_k=True),
+                                                      request(adaptive, remaining=2)]
+    asks = planner.asks([], crowd, 64)
+    assert asks == [0] * 8 + [3, 0]  # a batch of 10: no paid draft pays
+    # the greedy ones look up (their copies are judged by confidence); a sampled one does not
+    assert planner.lookups(crowd, asks) == [3] * 7 + [0, 0, 1]
+
+
 def test_k_below_zero_is_refused():
     with pytest.raises(ValueError, match="k \\(proposal length\\)"):
         StepPlanner(-1)

@@ -8,6 +8,9 @@ import pytest
 import torch
 from test_lossless_engine import N_RUNS, NEW_TOKENS, PASS_P, PLAIN, PROMPT, SEED_BASE, exact_distribution, fit
 
+from onlinespec.decoding.acceptance import AdaptiveK
+from onlinespec.decoding.adaptive import proposal_budget
+from onlinespec.decoding.proposal import Proposal
 from onlinespec.decoding.proposers.base import DraftInput
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.sampling import SamplingParams
@@ -94,6 +97,26 @@ def test_greedy_from_the_index_is_identical_to_the_target_alone_and_accepted(tin
     spec = SpeculativeDecoder(tiny_target, None, SuffixProposer(index), k=4).generate(prompt, params)
     assert spec.token_ids == reference.token_ids
     assert spec.stats.acceptance_rate > 0.9  # the target says again what it said
+
+
+def test_a_confident_copy_is_verified_even_where_drafting_does_not_pay_on_average(tiny_target):
+    """On a target whose wide forwards are dear (a CPU's), the step budget drafts nothing when
+    past proposals were mostly rejected; lookups cost nothing, so they still draft, and a copy the
+    index has seen many times is verified, accepted, and the output stays the target's."""
+    alone = SpeculativeDecoder(tiny_target, None, None)
+    params = SamplingParams(max_new_tokens=24)
+    prompt = [1, 4, 2, 5]
+    reference = alone.generate(prompt, params)
+    index = SuffixIndex()
+    for i in range(9):  # confidence 9 / 10
+        index.add(reference.prompt_ids + reference.token_ids, f"asked before {i}")
+    adaptive = AdaptiveK([1.0, 1.3, 1.6, 1.9, 2.2], explore_every=10**6)
+    for _ in range(50):  # a history of rejected drafts: on average, drafting does not pay
+        adaptive.update(Proposal([0, 0, 0, 0], drafter="head"), 0, use_confidence=True)
+    assert proposal_budget([adaptive], 4) == 0
+    spec = SpeculativeDecoder(tiny_target, None, SuffixProposer(index), k=4, adaptive_k=adaptive).generate(prompt, params)
+    assert spec.token_ids == reference.token_ids
+    assert spec.stats.proposed >= 12 and spec.stats.acceptance_rate > 0.9
 
 
 def test_sampling_from_the_index_matches_the_target_distribution(tiny_target, chi_square):

@@ -161,7 +161,8 @@ class SpeculativeEngine:
         for r in active:
             r.new_tokens = []
         tick = time.perf_counter()
-        proposals = self._draft(joining + decoding, self.planner.asks(joining, decoding, self.runner.columns))
+        asks = self.planner.asks(joining, decoding, self.runner.columns)
+        proposals = self._draft(joining + decoding, asks, self.planner.lookups(joining + decoding, asks))
         proposals = self._constrain(joining + decoding, proposals)
         report.draft_seconds = time.perf_counter() - tick
         report.context = self.runner.columns
@@ -343,17 +344,19 @@ class SpeculativeEngine:
         r.error = f"{type(err).__name__}: {err}"
         report.failed.append(r)
 
-    def _draft(self, rows: list[RequestState], asks: list[int]) -> list[Proposal]:
-        """Each proposer drafts for all its requests in one call, ``asks[i]`` tokens for ``rows[i]``."""
-        groups: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if asks[i] > 0:
-                groups.setdefault(id(r.proposer), []).append(i)
+    def _draft(self, rows: list[RequestState], asks: list[int], lookups: list[int]) -> list[Proposal]:
+        """Each proposer drafts for all its requests in one call, ``asks[i]`` tokens for ``rows[i]``;
+        then, in one more call, free lookups of ``lookups[i]`` tokens where it can draft free."""
         proposals = [Proposal() for _ in rows]
-        for members in groups.values():
-            drafted = self._propose(rows[members[0]].proposer, [rows[i] for i in members], [asks[i] for i in members])
-            for i, proposal in zip(members, drafted):
-                proposals[i] = proposal
+        for free, counts in ((False, asks), (True, lookups)):
+            groups: dict[int, list[int]] = {}
+            for i, r in enumerate(rows):
+                if counts[i] > 0 and (not free or r.proposer.free_drafts):
+                    groups.setdefault(id(r.proposer), []).append(i)
+            for members in groups.values():
+                drafted = self._propose(rows[members[0]].proposer, [rows[i] for i in members], [counts[i] for i in members], free)
+                for i, proposal in zip(members, drafted):
+                    proposals[i] = proposal
         return proposals
 
     def _constrain(self, rows: list[RequestState], proposals: list[Proposal]) -> list[Proposal]:
@@ -365,21 +368,22 @@ class SpeculativeEngine:
                 proposals[i] = r.grammar.propose(proposals[i], most, not r.params.greedy and proposals[i].probs is not None)
         return proposals
 
-    def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int]) -> list[Proposal]:
-        """One proposer's call for its requests, timed for the planner; nothing if it raises
-        (drafts are advice: these requests are verified without proposals this step)."""
+    def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int], free: bool = False) -> list[Proposal]:
+        """One proposer's call for its requests (``free``: its lookups only), timed for the planner;
+        nothing if it raises (drafts are advice: these requests are verified without proposals this step)."""
         inputs = [DraftInput(r.ids, k, r.params, r.generator, r.draft_state, with_probs=r.trace is not None,
                              adaptive=None if r.fixed_k else r.adaptive, tenant=r.tenant)
                   for r, k in zip(requests, asks)]
         tick = time.perf_counter()
         try:
-            drafted = proposer.propose(inputs)
+            drafted = proposer.propose_free(inputs) if free else proposer.propose(inputs)
         except Exception:
             logging.getLogger("onlinespec.engine").exception("proposer %s failed; its requests go on undrafted", proposer.name)
             self.draft_failures += 1
             return []
         drafted = [trim(proposal, k) for proposal, k in zip(drafted, asks)]  # never more than asked, whatever the proposer did
-        self.planner.drafted(proposer, time.perf_counter() - tick, asks)
+        if not free:  # what a model's draft step costs, which lookups say nothing about
+            self.planner.drafted(proposer, time.perf_counter() - tick, asks)
         return drafted
 
     def _finish_round(self, r: RequestState, proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, timing: RoundTiming) -> int:

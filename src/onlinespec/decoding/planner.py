@@ -9,6 +9,9 @@ requests' lifecycle and asks it:
    if speculating pays at all at this batch size, from past statistics and the drafts' measured
    cost, else 0); a step that would draft nothing for too long explores instead, drafting one
    token and verifying it whatever it costs (:meth:`AdaptiveK.idle_step`);
+   where the budget asks none, a greedy request with adaptive k may still draft what costs nothing
+   (:meth:`StepPlanner.lookups`: prompt lookup and the suffix index), and the forward verifies
+   such a copy only where its calibrated confidence pays (a long verbatim match);
 2. after each proposer's call (:meth:`StepPlanner.drafted`): what one draft step of it cost;
 3. before each forward that verifies, once (:meth:`StepPlanner.verify`): its width and each
    request's proposals cut to the count it verifies
@@ -47,6 +50,13 @@ class StepPlanner:
         the cache columns the batched forward will attend over)."""
         budget = self._budget(decoding, context)
         return [self._ask(r, None) for r in joining] + [self._ask(r, budget) for r in decoding]
+
+    def lookups(self, rows: list[RequestState], asks: list[int]) -> list[int]:
+        """How many tokens each of ``rows`` may draft at no model cost (its proposer's
+        ``propose_free``) where ``asks`` gave it none: ``k`` within its remaining tokens, for a
+        greedy request with adaptive k (whose proposals :meth:`verify` judges by their confidences)."""
+        return [self._ask(r, None) if ask == 0 and r.adaptive is not None and not r.fixed_k and r.params.greedy else 0
+                for r, ask in zip(rows, asks)]
 
     def drafted(self, proposer: Proposer, seconds: float, asks: list[int]) -> None:
         """One call of ``proposer`` drafted ``asks`` tokens for its requests in ``seconds``."""

@@ -32,7 +32,7 @@ from onlinespec.data.sources.query import MissingDataError, Query
 from onlinespec.data.sources.stdlib import LONG_PROMPT_MODULES as LONG_PROMPT_MODULES
 from onlinespec.data.sources.stdlib import STDLIB_MODULES as STDLIB_MODULES
 from onlinespec.data.sources.stdlib import load_stdlib_code as load_stdlib_code
-from onlinespec.data.sources.stdlib import long_prompts
+from onlinespec.data.sources.stdlib import edit_prompts, long_prompts
 
 __all__ = [
     "DOMAINS",
@@ -49,6 +49,7 @@ __all__ = [
     "load_humaneval",
     "load_sharegpt",
     "sharegpt_conversations",
+    "edit_prompts",
     "long_prompts",
     "looks_like_code",
     "packaged_prompts",

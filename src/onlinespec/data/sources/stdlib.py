@@ -25,25 +25,46 @@ def load_stdlib_code(min_chars: int = 300, max_chars: int = 1500) -> list[Query]
     """Every function of :data:`STDLIB_MODULES` whose source is ``min_chars``-``max_chars`` long,
     as raw code to complete: its first two thirds (cut at a line end), domain ``stdlib``. Real
     code nobody here wrote, read from this machine's standard library (no download)."""
+    queries: list[Query] = []
+    for name, node, body in _functions(min_chars, max_chars):
+        cut = body.rfind("\n", 0, len(body) * 2 // 3)
+        queries.append(Query(f"stdlib/{name}.{node.name}:{node.lineno}", "stdlib", "stdlib", prompt=body[: cut + 1]))
+    return queries
+
+
+def edit_prompts(n: int, min_chars: int = 300, max_chars: int = 900) -> list[Query]:
+    """Code-editing requests whose answers quote their prompt (domain ``edit``, chat): the first
+    function of each standard-library module ``min_chars``-``max_chars`` long, to return with one
+    name changed (what prompt lookup drafts for: the answer copies the prompt's code)."""
+    queries: list[Query] = []
+    seen: set[str] = set()
+    for name, node, body in _functions(min_chars, max_chars):
+        if name in seen:
+            continue
+        seen.add(name)
+        ask = f"Rename the function below to `renamed` and return the whole code, otherwise unchanged:\n\n```python\n{body}\n```"
+        queries.append(Query(f"stdlib-edit/{name}.{node.name}", "edit", "stdlib", messages=({"role": "user", "content": ask},)))
+        if len(queries) == n:
+            return queries
+    raise MissingDataError(f"only {len(queries)} functions to edit found in the standard library, {n} asked")
+
+
+def _functions(min_chars: int, max_chars: int):
+    """(module, node, source) of every function of :data:`STDLIB_MODULES` ``min_chars``-``max_chars`` long, in order."""
     import ast
     import importlib
     import inspect
 
-    queries: list[Query] = []
     for name in STDLIB_MODULES:
         try:
             source = inspect.getsource(importlib.import_module(name))
         except (ImportError, OSError, TypeError):  # a module this Python lacks (or ships compiled only)
             continue
         for node in ast.walk(ast.parse(source)):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            body = ast.get_source_segment(source, node, padded=True) or ""
-            if not min_chars <= len(body) <= max_chars:
-                continue
-            cut = body.rfind("\n", 0, len(body) * 2 // 3)
-            queries.append(Query(f"stdlib/{name}.{node.name}:{node.lineno}", "stdlib", "stdlib", prompt=body[: cut + 1]))
-    return queries
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = ast.get_source_segment(source, node, padded=True) or ""
+                if min_chars <= len(body) <= max_chars:
+                    yield name, node, body
 
 
 # Long prompts from the Python standard library on this machine: real text nobody here wrote,

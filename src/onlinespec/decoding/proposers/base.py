@@ -41,6 +41,8 @@ class Proposer:
     # module): it learns from every request served, model-free.
     suffix_index: Any = None
     version: str | None = None  # the serving model's version (a swappable draft's slot has one)
+    # It can draft at no model cost (:meth:`propose_free`: lookups in the text or an index).
+    free_drafts: bool = False
 
     def start(self, prompt_ids: list[int]) -> Any:
         """A new request starts: its draft state (``None`` when the proposer needs none)."""
@@ -52,6 +54,12 @@ class Proposer:
         Sampling (``params.temperature > 0``) proposers that draw at random must draw with the
         request's own generator and return the distributions they drew from in ``probs``.
         """
+        raise NotImplementedError
+
+    def propose_free(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        """What it drafts at no model cost, for requests whose step budget asks no paid drafting
+        (only if ``free_drafts``): lookups, empty where nothing matches. Adaptive k then verifies
+        them only where their calibrated confidences pay (a long verbatim copy)."""
         raise NotImplementedError
 
     def observe(self, state: Any, feature: torch.Tensor) -> None:

@@ -31,6 +31,8 @@ from onlinespec.decoding.proposers.suffix import SuffixIndex, propose_model_free
 class HybridProposer(SwappableDraft):
     """Swappable, and feature-reading when its learned draft is: the learner trains that draft."""
 
+    free_drafts = True
+
     def __init__(self, learned: SwappableDraft, max_ngram: int = 3, min_ngram: int = 2, suffix_index: SuffixIndex | None = None,
                  min_match: int = 3, learned_k: int | None = DEFAULT_K) -> None:
         """``min_ngram``: the shortest prompt-lookup match that wins over the learned draft;
@@ -71,6 +73,11 @@ class HybridProposer(SwappableDraft):
         for i, proposal in zip(rest, self.learned.propose(asks) if rest else []):
             out[i] = proposal
         return out
+
+    def propose_free(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        """Prompt lookup, then the suffix index: no learned draft to weigh them against."""
+        return [propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(drafter="ngram")
+                for d in batch]
 
     def _suffix_pays(self, proposal: Proposal, d: DraftInput) -> bool:
         """Whether the suffix index's proposal is expected to be accepted at least as far as the

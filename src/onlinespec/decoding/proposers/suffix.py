@@ -65,7 +65,7 @@ import numpy as np
 
 from onlinespec.decoding.proposal import DraftInput, Proposal
 from onlinespec.decoding.proposers.base import PerRequestProposer
-from onlinespec.decoding.proposers.ngram import lookup
+from onlinespec.decoding.proposers.ngram import copy_proposal
 
 ANCHOR = 2  # tokens every match starts from (a key of the anchor index)
 SEPARATOR = -1  # between documents in the corpus: never a token, so no match crosses a request
@@ -405,11 +405,15 @@ class SuffixProposer(PerRequestProposer):
     """
 
     drafter = "suffix"  # and "ngram" for what prompt lookup copies
+    free_drafts = True
 
     def __init__(self, index: SuffixIndex | None = None, max_ngram: int = 3, min_ngram: int = 2, min_match: int = 3) -> None:
         self.suffix_index = index or SuffixIndex()
         self.max_ngram, self.min_ngram, self.min_match = max_ngram, min_ngram, min_match
         self.name = f"suffix(ngram:{max_ngram})"
+
+    def propose_free(self, batch: Sequence[DraftInput]) -> list[Proposal]:
+        return self.propose(batch)
 
     def propose_one(self, d: DraftInput) -> Proposal:
         return propose_model_free(d, self.suffix_index, self.max_ngram, self.min_ngram, self.min_match) or Proposal(drafter=self.drafter)
@@ -418,9 +422,9 @@ class SuffixProposer(PerRequestProposer):
 def propose_model_free(d: DraftInput, index: SuffixIndex | None, max_ngram: int, min_ngram: int, min_match: int) -> Proposal | None:
     """The request's own text first (prompt lookup), then earlier requests (the suffix index);
     None when neither matches. Both are point masses: the exact sampler stays lossless."""
-    copied = lookup(np.asarray(d.ids), d.k, max_ngram, min_ngram)
-    if copied:
-        return Proposal(tokens=copied, drafter="ngram")
+    copied = copy_proposal(np.asarray(d.ids), d.k, max_ngram, min_ngram)
+    if copied is not None:
+        return copied
     if index is not None and not d.params.reproducible:  # a seeded request drafts from its own text only
         found = index.match(d.ids, d.k, d.tenant)
         if found is not None and found.match_length >= min_match:
