@@ -31,8 +31,8 @@ from onlinespec.data.sources.mixtures import english_pools as english_pools
 from onlinespec.data.sources.query import MissingDataError, Query
 from onlinespec.data.sources.stdlib import LONG_PROMPT_MODULES as LONG_PROMPT_MODULES
 from onlinespec.data.sources.stdlib import STDLIB_MODULES as STDLIB_MODULES
-from onlinespec.data.sources.stdlib import load_stdlib_code as load_stdlib_code
 from onlinespec.data.sources.stdlib import edit_prompts, long_prompts
+from onlinespec.data.sources.stdlib import load_stdlib_code as load_stdlib_code
 
 __all__ = [
     "DOMAINS",
