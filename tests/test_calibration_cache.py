@@ -37,6 +37,8 @@ def test_a_second_start_reads_the_calibration_instead_of_measuring(counted, tiny
     assert second["cost_curve"].seconds == first["cost_curve"].seconds
     engine_options(target, 3, adaptive=True, max_batch=4)  # another set of batch sizes is another measurement
     assert len(counted) == 2
+    narrower = engine_options(target, 2, adaptive=True, max_batch=1)  # a subset of its batch sizes and widths: read back
+    assert len(counted) == 2 and narrower["cost_curve"].max_width == 5
 
     monkeypatch.setenv(api.RECALIBRATE, "1")
     engine_options(target, 3, adaptive=True, max_batch=2)

@@ -196,16 +196,10 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
                    threads=cpu_threads(), dtype="gguf", kernels=False)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
-    if os.environ.get(RECALIBRATE) != "1" and path.exists():
-        try:
-            saved = json.loads(path.read_text())
-            curve = CostCurve.from_dict(saved["curve"])
-            if kernels:
-                (small_batch.enable if saved["kernels"] else small_batch.disable)(model)
-            log.info("calibration read from %s (measured %s; %s=1 measures again)", path, saved["measured_at"], RECALIBRATE)
-            return curve
-        except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again and replace it
-            log.warning("the cached calibration %s could not be read (%s): measuring again", path, err)
+    if os.environ.get(RECALIBRATE) != "1" and (saved := _cached_calibration(path, key)) is not None:
+        if kernels:
+            (small_batch.enable if saved["kernels"] else small_batch.disable)(model)
+        return saved["curve"]
     chosen = small_batch.use_small_batch_kernels(model, max_width=kernel_width, reps=quick or 5)[0] if kernels else small_batch.enabled(model)
     measure = lambda: measure_cost_curve(target.runner(max(batches)) if llama else model, max_width=max_width, batches=batches, reps=reps)
     curve, steady = steady_curve(measure) if "reps" not in key else (measure(), True)  # a quick curve is noisy anyway
@@ -220,6 +214,32 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     except OSError as err:  # a read-only cache costs the next start a measurement, nothing else
         log.warning("the calibration could not be cached at %s: %s", path, err)
     return curve
+
+
+def _cached_calibration(path: Path, key: dict) -> dict | None:
+    """The calibration cached under ``key`` (at ``path``), or else one measured on more batch sizes
+    and wider blocks, everything else equal (a server's curve answers a batch-1 bench); None: measure."""
+    if not path.parent.is_dir():
+        return None
+    others = sorted(set(path.parent.glob("*.json")) - {path})
+    for candidate in ([path] if path.exists() else []) + others:
+        try:
+            saved = json.loads(candidate.read_text())
+            if candidate != path and not _covers(saved["key"], key):
+                continue
+            saved["curve"] = CostCurve.from_dict(saved["curve"])
+        except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measure again (and replace it)
+            log.warning("the cached calibration %s could not be read (%s): measuring again", candidate, err)
+            continue
+        log.info("calibration read from %s (measured %s; %s=1 measures again)", candidate, saved["measured_at"], RECALIBRATE)
+        return saved
+    return None
+
+
+def _covers(saved: dict, key: dict) -> bool:
+    """A calibration under ``saved`` holds every point one under ``key`` would measure."""
+    same = saved.keys() == key.keys() and all(saved[f] == v for f, v in key.items() if f not in ("batches", "max_width"))
+    return same and set(key["batches"]) <= set(saved["batches"]) and saved["max_width"] >= key["max_width"]
 
 
 CURVE_TOLERANCE = 0.5  # two measurements of the cost curve that differ by more than this at any point: the machine was busy

@@ -16,6 +16,7 @@ CHEAP = CostCurve({(1, 64): [1.0, 1.05, 1.1, 1.15], (8, 64): [2.0, 6.0, 6.5, 7.0
 
 
 def request(adaptive=None, proposer="draft", remaining=100, fixed_k=False, greedy=True):
+    proposer = SimpleNamespace(paid_drafter=None) if proposer == "draft" else proposer
     return SimpleNamespace(adaptive=adaptive, proposer=proposer, fixed_k=fixed_k,
                            stop=SimpleNamespace(remaining=remaining), params=SimpleNamespace(greedy=greedy))
 
@@ -29,7 +30,7 @@ def test_running_requests_ask_what_pays_and_joining_ones_ask_k():
 
 
 def test_a_draft_step_that_costs_too_much_is_not_asked_for():
-    planner, adaptive, proposer = StepPlanner(3), AdaptiveK(CHEAP), object()
+    planner, adaptive, proposer = StepPlanner(3), AdaptiveK(CHEAP), SimpleNamespace(paid_drafter=None)
     rows = [request(adaptive, proposer=proposer)]
     assert planner.asks([], rows, 64) == [3]
     planner.drafted(proposer, 3.0, [3, 1])  # one draft step: 1 s, dearer than the forward it would save
@@ -60,6 +61,16 @@ def test_where_the_budget_asks_nothing_a_greedy_request_may_still_look_up_for_fr
     assert asks == [0] * 8 + [3, 0]  # a batch of 10: no paid draft pays
     # the greedy ones look up (their copies are judged by confidence); a sampled one does not
     assert planner.lookups(crowd, asks) == [3] * 7 + [0, 0, 1]
+
+
+def test_a_hybrids_paid_draft_is_priced_by_its_own_acceptance_not_by_its_free_copies():
+    adaptive = AdaptiveK(CostCurve({(1, 64): [1.0, 1.1, 1.2, 1.3]}))
+    for _ in range(200):  # copies accepted in full, the head's proposals rejected at once
+        adaptive.update(Proposal([1, 2, 3], drafter="ngram"), 3, use_confidence=False)
+        adaptive.update(Proposal([1, 2, 3], drafter="head"), 0, use_confidence=False)
+    planner, hybrid = StepPlanner(3), SimpleNamespace(paid_drafter="head")
+    assert planner.asks([], [request(adaptive, proposer=hybrid)], 64) == [0]  # its head would not pay (its copies draft free)
+    assert planner.asks([], [request(adaptive, proposer=hybrid, greedy=False)], 64) == [3]  # sampled: no free lookups, all it drafts
 
 
 def test_k_below_zero_is_refused():

@@ -87,21 +87,24 @@ def plan_step(rows: list[PlanRow], context: int = CONTEXTS[0]) -> tuple[int, lis
 
 
 def proposal_budget(
-    adaptives: list[AdaptiveK | None], k: int, context: int = CONTEXTS[0], draft_step_seconds: float = 0.0
+    adaptives: list[AdaptiveK | None], k: int, context: int = CONTEXTS[0], draft_step_seconds: float = 0.0,
+    drafters: list[str | None] | None = None,
 ) -> int:
     """Before drafting: ``k`` if speculating pays at all for a batch of ``len(adaptives)`` rows,
     else 0 (a plain decoding step, nothing drafted).
 
     Judged from past statistics alone: the best number of proposals per request at its draft's
-    measured per-step acceptance, against the cost of that wider forward at this batch size and
-    of the draft steps, by at least ``MIN_GAIN``. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
+    measured per-step acceptance (``drafters[i]``: of that drafter's proposals only, the one whose
+    steps cost; None: of all its proposals), against the cost of that wider forward at this batch
+    size and of the draft steps, by at least ``MIN_GAIN``. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
     sees the drafts' confidences, picks how many to verify (its choices are what keeps the later
     steps' statistics measured).
     """
     planner = next((a for a in adaptives if a is not None), None)
     if planner is None or k <= 0:
         return k
-    estimates = [a.step_estimates(k) if a is not None else [1.0] * k for a in adaptives]
+    drafters = drafters or [None] * len(adaptives)
+    estimates = [[1.0] * k if a is None else a.drafter_estimates(d, k) if d else a.step_estimates(k) for a, d in zip(adaptives, drafters)]
     return k if _speculation_pays(planner, estimates, k, context, draft_step_seconds) else 0
 
 

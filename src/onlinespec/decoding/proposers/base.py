@@ -43,6 +43,9 @@ class Proposer:
     version: str | None = None  # the serving model's version (a swappable draft's slot has one)
     # It can draft at no model cost (:meth:`propose_free`: lookups in the text or an index).
     free_drafts: bool = False
+    # The drafter whose draft steps cost (a hybrid's learned draft), when it also drafts for free:
+    # the step budget prices that one's measured acceptance alone. None: all it drafts.
+    paid_drafter: str | None = None
 
     def start(self, prompt_ids: list[int]) -> Any:
         """A new request starts: its draft state (``None`` when the proposer needs none)."""

@@ -47,6 +47,10 @@ class HybridProposer(SwappableDraft):
         self.uses_features = learned.uses_features
 
     @property
+    def paid_drafter(self) -> str:
+        return self.learned.drafter
+
+    @property
     def slot(self) -> ModelSlot:
         """The learned draft's: it is what the online learner trains and swaps."""
         return self.learned.slot
