@@ -18,7 +18,12 @@ CONTEXTS = (64, 512)
 class CostCurve:
     """Seconds of one target forward: ``seconds[(batch, context)][width - 1]``, measured."""
 
-    seconds: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    seconds: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # read-only once made
+    # padded_cost's answers: a step's plan asks it dozens of times (the engine's planning ran 1 ms a
+    # step before, 3% of a CPU step); cleared past MEMO entries as the context grows
+    _memo: dict[tuple[int, int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    MEMO = 4096
 
     @classmethod
     def from_widths(cls, costs: list[float], context: int = CONTEXTS[0]) -> "CostCurve":
@@ -58,7 +63,13 @@ class CostCurve:
         return best if self.cost(batch, best, context) < (1 - min_gain) * own else width
 
     def padded_cost(self, batch: int, width: int, context: int = CONTEXTS[0]) -> float:
-        return self.cost(batch, self.padded(batch, width, context), context)
+        key = (batch, width, context)
+        if (known := self._memo.get(key)) is not None:
+            return known
+        if len(self._memo) >= self.MEMO:
+            self._memo.clear()
+        self._memo[key] = cost = self.cost(batch, self.padded(batch, width, context), context)
+        return cost
 
     def _at_batch(self, batch: int, width: int, context: int) -> float:
         contexts = sorted(c for b, c in self.seconds if b == batch)

@@ -68,16 +68,16 @@ def _match(ids: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[lis
     """The copy (up to ``k`` tokens), and how many tokens before it match the text before the
     current end, up to :data:`MAX_EVIDENCE` (at least the n-gram's length)."""
     n_ids = len(ids)
-    if k <= 0:
+    if k <= 0 or n_ids < 2:
         return [], 0
+    ends = np.flatnonzero(ids[: n_ids - 1] == ids[-1])  # earlier positions holding the last token
     for n in range(min(max_ngram, n_ids - 1), min_ngram - 1, -1):
-        suffix = ids[n_ids - n:]
-        # windows[i] = ids[i : i + n] for every start i whose match is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(ids[: n_ids - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(starts):
-            start = int(starts[-1]) + n
-            return ids[start: start + k].tolist(), n + _extends_back(ids, int(starts[-1]), n_ids - n)
+        found = ends[ends >= n - 1]
+        for back in range(1, n):  # ... whose n - 1 tokens before match too
+            found = found[ids[found - back] == ids[n_ids - 1 - back]]
+        if len(found):
+            end = int(found[-1])  # the most recent occurrence
+            return ids[end + 1: end + 1 + k].tolist(), n + _extends_back(ids, end + 1 - n, n_ids - n)
     return [], 0
 
 
