@@ -56,7 +56,8 @@ def test_greedy_speculative_is_identical(target, prompts, reference, draft, k, a
     """``hybrid`` / ``head``: the packaged feature head (features read from the verification pass),
     with the adaptive-k policy on the measured verify-cost curve for ``hybrid``. The draft LM
     (4 of the target's layers, the slowest to run on a CPU) gets every third prompt."""
-    options = engine_options(target, k, pad=True, adaptive=True) if adaptive else {}
+    # the curve over batch sizes 1-4 the batched test below reads too: one calibration, not two
+    options = engine_options(target, k, pad=True, adaptive=True, max_batch=4) if adaptive else {}
     decoder = SpeculativeDecoder(target.model, target.tokenizer, make_proposer(draft, target).proposer, k=k, **options)
     accepted = 0
     for prompt, expected in list(zip(prompts, reference))[::every]:
