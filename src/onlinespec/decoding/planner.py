@@ -76,7 +76,7 @@ class StepPlanner:
     def _budget(self, decoding: list[RequestState], context: int) -> int:
         """The most proposals a running request with adaptive k sends this step: as many as pay at
         this batch size; one, when none pays but the drafts are due to be measured again."""
-        # a greedy request's lookups draft whatever the budget (lookups): it prices its paid drafter alone
+        # a greedy request looks up for free whatever the budget (lookups), so the budget prices its paid drafter alone
         paid = [r.proposer.paid_drafter if r.proposer is not None and r.params.greedy else None for r in decoding]
         budget = proposal_budget([r.adaptive if not r.fixed_k else None for r in decoding], self.k, context,
                                  self._draft_cost(decoding), paid) if decoding else self.k
