@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.distill.records import DistillRecord
+from onlinespec.online.buffer import ReplayBuffer
 
 
 def record(i: int, n_positions: int = 2, k: int = 4) -> DistillRecord:

@@ -1,6 +1,7 @@
 """Online learning of a feature head: records carry the target's features from verification, the
 learner trains chains on them in the background, and the output stays exactly the target's."""
 
+import pytest
 import torch
 
 from onlinespec.decoding.autoregressive import autoregressive_decoder
@@ -52,25 +53,38 @@ def test_records_hold_consecutive_features_that_match_the_target(tiny_llama, tmp
     assert chain_task([record], "rejected").starts.numel() == int(rejected[1:].sum())
 
 
-def test_online_head_learning_raises_acceptance_and_keeps_output_exact(tiny_llama, tmp_path, one_thread):
+@pytest.fixture(scope="module")
+def learned(tiny_llama, tmp_path_factory):
+    """A head learnt online over 56 requests: (target, starting head, proposer, learner, per request:
+    acceptance, the version served, whether the output was the target's)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     target, head = make(tiny_llama)
+    folder = tmp_path_factory.mktemp("learned-head")
     proposer = HybridProposer(FeatureHeadProposer(head), min_ngram=3)
     learner = OnlineLearner(
-        proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), DraftRegistry(tmp_path / "drafts"),
+        proposer, ReplayBuffer(folder / "buffer", policy="window"), DraftRegistry(folder / "drafts"),
         LearnerConfig(update_interval=8, steps_per_update=60, batch_size=64, lr=3e-3, position_policy="verified", priority="normal",
                       distill=DistillConfig(loss="fkl")),
         background=False,  # updates between requests, so the curve does not depend on the machine's speed
     )
     decoder = SpeculativeDecoder(target, None, proposer, k=3)
     reference = autoregressive_decoder(target)
-    alphas, versions = [], []
+    alphas, versions, identical = [], [], []
     for prompt in prompts(56):
         out = decoder.generate(prompt, PARAMS, trace=True)
-        assert out.token_ids == reference.generate(prompt, PARAMS).token_ids
+        identical.append(out.token_ids == reference.generate(prompt, PARAMS).token_ids)
         alphas.append(out.stats.acceptance_rate)
         versions.append(proposer.version)
         learner.observe(out, domain="test")
     learner.wait()
+    torch.set_num_threads(threads)
+    return target, head, proposer, learner, alphas, versions, identical
+
+
+def test_online_head_learning_raises_acceptance_and_keeps_output_exact(learned):
+    _, head, proposer, learner, alphas, versions, identical = learned
+    assert all(identical)
     published = [r for r in learner.reports if r.version]
     assert published and len(set(versions)) > 1
     # the gate judged each candidate by what the hybrid serving with it accepts, replayed on the held-out records
@@ -81,6 +95,38 @@ def test_online_head_learning_raises_acceptance_and_keeps_output_exact(tiny_llam
     restored = head.clone()
     restored.load_state_dict(state)
     assert torch.equal(restored.fuse.weight, proposer.model.fuse.weight) or proposer.version != published[-1].version
+
+
+def test_a_draft_that_serves_below_its_starting_draft_falls_back_to_it(learned, tmp_path, one_thread):
+    # the starting draft is the learnt head; a worse one (the untrained head) is then published and served
+    target, untrained, learnt_proposer, _, _, _, _ = learned
+    proposer = HybridProposer(FeatureHeadProposer(learnt_proposer.model.clone()), min_ngram=3)
+    events = []
+    learner = OnlineLearner(
+        proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), DraftRegistry(tmp_path / "drafts"),
+        LearnerConfig(update_interval=8, steps_per_update=2, batch_size=64, position_policy="verified", priority="normal",
+                      gate_by="newest", gate_fraction=0.5), background=False, on_event=events.append)
+    worse = learner.registry.publish(untrained.state_dict(), {"parent": "v0001", "note": "a worse version"})
+    learner.serve_version(worse)
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    reference = autoregressive_decoder(target)
+    served = []
+    for prompt in prompts(16, seed=1):
+        out = decoder.generate(prompt, PARAMS, trace=True)
+        served.append(proposer.version)  # the version this request was served with (a swap is taken between rounds)
+        assert out.token_ids == reference.generate(prompt, PARAMS).token_ids
+        learner.observe(out, domain="test")
+    # the first update found the served draft below the starting one on the same held-out records (paired, 95%)
+    first = learner.reports[0]
+    assert first.outcome == "floor" and first.floor_breached and first.static_replayed > first.replayed_before
+    floor = next(e for e in events if e["event"] == "floor")
+    assert floor["was"] == worse and floor["serves"] == "v0001"
+    # the starting draft serves from the next request on, and the registry says so (a restart serves it too)
+    assert served[:8] == [worse] * 8 and served[8:] == ["v0001"] * 8
+    assert learner.reports[1].parent == "v0001"
+    # the next update judged its candidate against the starting draft serving: no floor left to breach
+    assert not learner.reports[1].floor_breached and learner.reports[1].outcome in ("published", "refused")
+    assert learner.registry.current() == (learner.reports[1].version or "v0001")  # a restart serves what served
 
 
 def test_a_restart_serves_the_registrys_current_version(tiny_llama, tmp_path, one_thread):

@@ -86,13 +86,14 @@ def test_priority_policy_scores_every_record_after_an_update(tiny_llama, tmp_pat
     assert all(p != float("inf") for p in priorities) and len(set(priorities)) == 2  # scored, by the draft's own loss
 
 
-def test_keep_versions_prunes_all_but_the_newest_the_current_and_its_parent(tiny_llama, tmp_path):
+def test_keep_versions_prunes_all_but_the_newest_the_current_its_parent_and_the_starting_draft(tiny_llama, tmp_path):
     decoder, learner = make(tiny_llama, tmp_path, keep_versions=2)
     for prompt in prompts(10):
         learner.observe(decoder.generate(prompt, PARAMS, trace=True))
     versions = learner.registry.versions()
-    assert len(versions) == 2 and versions[-1] == learner.registry.current() and learner.pruned
-    assert learner.registry.meta(versions[-1])["parent"] == versions[0]
+    assert len(versions) == 3 and versions[-1] == learner.registry.current() and learner.pruned
+    assert learner.registry.meta(versions[-1])["parent"] == versions[1]
+    assert versions[0] == "v0001" and learner.registry.meta("v0001")["parent"] is None  # the floor's fallback is kept
 
 
 def test_a_registry_of_another_draft_is_refused_not_loaded_partially(tiny_llama, tmp_path):

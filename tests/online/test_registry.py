@@ -95,13 +95,13 @@ def test_recovery_quarantines_unreadable_versions_and_falls_back_to_the_newest_v
     assert DraftRegistry(tmp_path).recover() == "v0001"
 
 
-def test_prune_keeps_the_newest_the_current_one_and_its_parent(tmp_path):
+def test_prune_keeps_the_newest_the_current_one_its_parent_and_the_starting_draft(tmp_path):
     registry = DraftRegistry(tmp_path)
     for value in range(6):
         registry.publish(weights(float(value)), {"parent": registry.current()})
     registry.set_current("v0003")  # an operator rolled back
-    assert registry.prune(keep=2) == ["v0001", "v0004"]
-    assert registry.versions() == ["v0002", "v0003", "v0005", "v0006"]
+    assert registry.prune(keep=2) == ["v0004"]
+    assert registry.versions() == ["v0001", "v0002", "v0003", "v0005", "v0006"]
     with pytest.raises(ValueError, match="keep"):
         registry.prune(keep=0)
 

@@ -98,7 +98,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
     "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
     "memory_budget": (Annotated[Optional[str], typer.Option(callback=_memory_size, help="memory the replay buffers, suffix indexes and drafts may hold together, e.g. 2GiB or 512MiB (a bare number is MiB; default: a quarter of the RAM, 1 GiB to 8 GiB); past it the oldest records and the least-recently-used tenants' suffix documents are evicted (docs/serve.md)")], None),
-    "keep_versions": (Annotated[int, typer.Option(min=0, help="keep this many newest draft versions, plus the current one and its parent (0: keep all)")], LearnerConfig.keep_versions),
+    "keep_versions": (Annotated[int, typer.Option(min=0, help="keep this many newest draft versions, plus the current one, its parent and the first, the starting draft (0: keep all)")], LearnerConfig.keep_versions),
     "max_failures": (Annotated[int, typer.Option(min=1, help="updates failing in a row before a learner stops trying (serving goes on)")], LearnerConfig.max_failures),
 }
 

@@ -37,6 +37,8 @@ class LearnerConfig:
     gate_by: str = "domain"  # domain: hold out the newest share of EACH domain's records, and publish only
     # if the candidate loses on none of them (a draft tuned to the newest traffic must not serve the rest
     # worse); newest: the newest share of all records, judged pooled
+    floor: bool = True  # serve the starting draft while the learned one accepts less than it on the gate's held-out
+    # records, paired, with one-sided 95% confidence, until a candidate beats it (onlinespec.online.floor)
     sampling: str = "teacher"  # sampling mode of the training signal: teacher | student | mixed (recorder)
     threads: int = 1  # torch threads of the learner thread (serving keeps the rest)
     priority: str = "low"  # low: nice 19 (the OS runs the learner mostly on CPU time serving leaves); idle:
@@ -44,7 +46,7 @@ class LearnerConfig:
     cpu_share: float = 1.0  # the most wall time the learner computes (it sleeps the rest)
     chain_depth: int = CHAIN_DEPTH  # feature heads: draft steps unrolled in training
     max_failures: int = 3  # updates failing in a row before the learner stops trying (serving goes on)
-    keep_versions: int = 0  # keep this many newest registry versions (plus the current one and its parent); 0: all
+    keep_versions: int = 0  # keep this many newest registry versions (plus the current one, its parent and the first); 0: all
 
     def __post_init__(self) -> None:
         if self.position_policy not in POSITION_POLICIES:

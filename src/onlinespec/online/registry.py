@@ -168,13 +168,14 @@ class DraftRegistry:
                              "give this run another --out-dir, or start it with the same options")
 
     def prune(self, keep: int) -> list[str]:
-        """Delete old versions, keeping the ``keep`` newest, the current one and its parent;
+        """Delete old versions, keeping the ``keep`` newest, the current one, its parent and the
+        first (the starting draft, which the learner's floor serves again, onlinespec.online.floor);
         return the deleted ones."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest versions kept), got {keep}")
         versions = self.versions()
         current = self.current()
-        protect = set(versions[-keep:]) | {current}
+        protect = set(versions[-keep:] + versions[:1]) | {current}
         if current:
             protect.add(self.meta(current).get("parent"))
         doomed = [v for v in versions if v not in protect]

@@ -71,11 +71,19 @@ def ci_text(comparison: dict) -> str:
 
 
 def update_counts(updates: list[dict]) -> list[str]:
-    """'draft code: 3 updates, 1 published', one per draft, in the order the drafts first updated."""
+    """'draft code: 3 updates, 1 published, 2 decidable', one per draft, in the order the drafts
+    first updated (decidable: the gain exceeded its paired noise; floor: the starting draft served again)."""
     by_draft: dict[str, list[dict]] = {}
     for update in updates:
         by_draft.setdefault(update.get("draft", SHARED), []).append(update)
-    return [f"draft {name}: {len(us)} updates, {sum(bool(u['version']) for u in us)} published" for name, us in by_draft.items()]
+    def line(name: str, us: list[dict]) -> str:
+        text = f"draft {name}: {len(us)} updates, {sum(bool(u['version']) for u in us)} published"
+        judged = [u for u in us if u.get("decidable") is not None]
+        if judged:
+            text += f", {sum(u['decidable'] for u in judged)} of {len(judged)} decidable"
+        floors = sum(u.get("outcome") == "floor" for u in us)
+        return text + (f", {floors} fell back to the starting draft (the floor)" if floors else "")
+    return [line(name, us) for name, us in by_draft.items()]
 
 
 def plot_alpha(results: dict[str, dict], path: Path, title: str) -> None:

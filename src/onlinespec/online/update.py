@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from onlinespec.online.budget import UpdateBudget
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.config import LearnerConfig
-from onlinespec.online.gate import CandidateGate, NextGate
+from onlinespec.online.floor import AcceptanceFloor
+from onlinespec.online.gate import CandidateGate, NextGate, paired_error
 from onlinespec.online.learnable import LearnableDraft
 from onlinespec.online.publisher import Publisher
 from onlinespec.online.trainer import CandidateTrainer
@@ -33,12 +34,20 @@ class UpdateReport:
     ended_at: float = 0.0  # wall-clock time
     outcome: str = ""  # published | refused (by the gate) | pinned (passed the gate, not published: a version is pinned)
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
+    # | floor (refused, and the serving draft fell below the starting one: that one serves again, onlinespec.online.floor)
     engine_seconds: float = 0.0  # the compute time it took (its wall time less its waits for the engine's turns)
     steps: int = 0  # optimizer steps it took (a draft born from the target takes LearnerConfig.cold_steps times more)
     cold: bool = False  # the draft was born from the target (LearnableDraft.cold): the learning controller judges it by alpha
     gate_metric: str = "alpha"  # the figure the gate decided by (LearnerConfig.gate_metric; alpha for a draft LM)
     replayed_before: float | None = None  # gate_metric replayed: the serving draft's replayed figure on the held-out records
     replayed_after: float | None = None  # the candidate's
+    static_replayed: float | None = None  # the floor (onlinespec.online.floor): the starting draft's replayed figure there
+    floor_breached: bool = False  # the serving draft accepted less than the starting one, with 95% confidence
+    gate_error: float | None = None  # the paired standard error of the candidate's gain in the gate's figure (None: no per-position figures)
+    decidable: bool | None = None  # the gain exceeded DECIDABLE paired standard errors: the gate could tell, not a coin toss
+
+
+DECIDABLE = 1.96  # two-sided 95%: a candidate whose gain exceeds this many paired standard errors is decidable
 
 
 class Updater:
@@ -55,6 +64,8 @@ class Updater:
         self.trainer = CandidateTrainer(config, learnable, budget, cancel)
         self.gate = CandidateGate(config, learnable, budget.pause)
         self.next = NextGate()  # gate="next": the candidate waiting for the requests served after it
+        self.floor = AcceptanceFloor(learnable, publisher, lambda model, records: learnable.metrics(
+            model, records, config.distill, between=budget.pause, replay=True))
         self.reports: list[UpdateReport] = []
 
     def train(self, serving, records: list):
@@ -82,6 +93,11 @@ class Updater:
         cold = self.learnable.cold(serving)
         figure = self.gate.figure(cold)
         before, after, by_domain, passed = self.gate.judge(serving, candidate, groups, figure)
+        floor = self.floor.judge(parent, [r for rs in groups.values() for r in rs], before, figure, self.config.gate_margin) \
+            if self.config.floor else None
+        breached = floor is not None and floor["below"]
+        if breached:  # the candidate must beat the starting draft too, or the starting draft serves
+            passed = passed and after[figure] >= floor["floor"]
         if self.cancel.is_set():  # shutdown or a rollback while it ran: never publish
             return None
         version, outcome = self._publish(candidate, optimizer, records, passed, {
@@ -90,12 +106,16 @@ class Updater:
             "gate_metric": figure, "replayed_before": before.get("replayed"), "replayed_after": after.get("replayed"),
             "config": asdict(self.config), "identity": self.identity,
         })
+        if breached and outcome == "refused":
+            outcome = self._fall_back(parent, floor)
         if self.buffer.policy == "priority":
             self.score()
         seconds = time.perf_counter() - start
+        error = paired_error(before, after) or None
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
                               seconds, examples, by_domain, time.time(), outcome, seconds - self.budget.waited, steps, cold,
-                              figure, before.get("replayed"), after.get("replayed"))
+                              figure, before.get("replayed"), after.get("replayed"), floor and floor["static"], breached, error,
+                              None if error is None else abs(after[figure] - before[figure]) > DECIDABLE * error)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
         if self.config.gate == "next":
@@ -116,6 +136,18 @@ class Updater:
             self.buffer.after_update(records)
         self.publisher.prune()
         return version, "published"
+
+    def _fall_back(self, parent: str, floor: dict) -> str:
+        """The floor is breached and the candidate does not beat the starting draft: serve that
+        one (unless an operator pinned a version); the outcome."""
+        if self.pinned():
+            return "refused"
+        version = self.floor.serve_static()
+        self.trainer.forget()  # the next candidates train from the starting draft, with a fresh optimizer
+        self.on_event({"event": "floor", "draft": self.publisher.registry.directory.name, "was": parent, "serves": version,
+                       "serving_replayed": round(floor["serving"], 4), "static_replayed": round(floor["static"], 4),
+                       "paired_error": round(floor["error"], 4), "time": time.time()})
+        return "floor"
 
     def score(self) -> None:
         """Priority policy: the serving draft's loss on every buffered record (hardest kept)."""
