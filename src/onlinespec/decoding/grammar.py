@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: its torch.compile'd kernel imports torch's compiler, 2 s at every process start
 import torch
 
 from onlinespec.decoding.proposal import Proposal
@@ -172,8 +172,9 @@ class GrammarState:
         rows = len(tokens) + 1
         bits = torch.full((rows, (self.vocab + 31) // 32), -1, dtype=torch.int32)
         taken = self.matcher.validate_tokens(tokens)  # a forbidden token is never consumed (it would break the matcher)
+        view = bits.numpy()  # the same memory: the matcher writes the tensor's rows
         for i in range(taken + 1):
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, i)
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, view, i)
             if self.matcher.is_error():
                 raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
             if i < taken:
