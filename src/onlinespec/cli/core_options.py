@@ -69,6 +69,8 @@ CORE_OPTIONS: dict[str, tuple] = {
                                                       "or 'auto', replayed but alpha while a head born from the target is cold (docs/online-learning.md)")],
                     LearnerConfig.gate_metric),
     "gate_by": (Annotated[str, typer.Option(help="gate on the newest records of each 'domain' (a candidate must lose on none) or the 'newest' records pooled")], LearnerConfig.gate_by),
+    "floor": (Annotated[bool, typer.Option("--floor/--no-floor", help="serve the starting draft again while a learned one accepts less than it "
+                                           "on the gate's held-out records (paired, 95%), until a candidate beats it")], LearnerConfig.floor),
     "router": (Annotated[str, typer.Option(help="'domain': one draft per request domain, each learning its own traffic; 'single': one shared draft; "
                                                "'content': drafts for clusters of prompts, no labels needed (docs/routing.md)")], CoreConfig.router),
     "max_drafts": (Annotated[int, typer.Option(min=1, help="domain router: domains beyond this many share one draft; content router: drafts kept in memory")], CoreConfig.max_drafts),
@@ -108,7 +110,7 @@ def _core_config(o: dict) -> CoreConfig:
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"],
         cold_steps=o["cold_steps"], batch_size=o["batch_size"],
-        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"],
+        lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"], floor=o["floor"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
     plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
