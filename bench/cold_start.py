@@ -17,7 +17,9 @@ target alone's measured capacity (requests per second at ``--max-batch`` in flig
   included); ``index``: the same learning through its suffix index only (``--no-head-updates``).
 
 Closed loop (``--in-flight N``: N requests in flight, no arrival trace) compares learning on and
-off at full load, e.g. ``--in-flight 8 --configs packaged,index,static --domains chat``.
+off at full load, e.g. ``--in-flight 8 --configs packaged,index,static --domains chat``. A shift
+(``--segments``): the domains one after another instead of in turn, e.g. ``--in-flight 1
+--segments --domains chat,math_ml,code --configs packaged,static,alone``.
 
 **Interleaved in blocks**, so that the machine's drift (2-3x within an hour here) falls on every
 configuration alike: all servers start, then are paused (SIGSTOP); block after block of
@@ -67,8 +69,9 @@ CONFIGS = {"fresh": ["--draft", "hybrid:fresh", "--router", "single"], "fresh-do
            "fresh-replayed": ["--draft", "hybrid:fresh", "--router", "single", "--gate-metric", "replayed"]}  # the default of ff03c9f-852b8ec
 
 
-def online_split(n: int, domains: list[str]) -> list:
-    """``n`` online-split requests (the traffic a server learns from), ``domains`` in turn."""
+def online_split(n: int, domains: list[str], segments: bool = False) -> list:
+    """``n`` online-split requests (the traffic a server learns from), ``domains`` in turn, or
+    with ``segments`` one domain after another (a shift at each boundary), n / len(domains) each."""
     from onlinespec.data.sources import stream_pools
     from onlinespec.data.splits import split
 
@@ -79,6 +82,8 @@ def online_split(n: int, domains: list[str]) -> list:
     short = {d: len(p) for d, p in pools.items() if len(p) < per}
     if short:
         raise SystemExit(f"--n {n} needs {per} requests per domain; the online split holds {short}")
+    if segments:
+        return [pools[d][i] for d in domains for i in range(per)][:n]
     return [pools[domains[i % len(domains)]][i // len(domains)] for i in range(n)]
 
 
@@ -259,6 +264,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--configs", default="fresh,packaged,suffix,alone", help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--domains", default="chat,code,math_ml", help="online-split domains, in turn")
+    parser.add_argument("--segments", action="store_true", help="the domains one after another (a shift at each boundary), not in turn")
     parser.add_argument("--in-flight", type=int, default=None, help="closed loop: this many requests in flight (no arrival trace, no capacity probe)")
     parser.add_argument("--alone-every", type=int, default=4, help="the target alone serves every N-th block")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more `onlinespec serve` flags for every server")
@@ -271,7 +277,7 @@ def main() -> None:
     else:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        queries = online_split(args.n, args.domains.split(","))
+        queries = online_split(args.n, args.domains.split(","), args.segments)
         rate, arrivals = None, None
         if args.in_flight is None:
             rate, arrivals, t, rng = args.load * capacity(args, queries[: 4 * args.max_batch], out), [], 0.0, random.Random(0)
@@ -295,6 +301,7 @@ def main() -> None:
             run["identical_to_alone"] = f"{sum(texts[name][k] == reference[k] for k in same)}/{len(same)}"
         summary = {"n": args.n,
                    "load": None if args.in_flight else args.load, "in_flight": args.in_flight, "domains": args.domains,
+                   "segments": args.segments,
                    "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
                    "verdicts": verdicts(runs, args.n), "runs": runs}
         summary = json.loads(harness.write_result(args.json, summary).read_text())
