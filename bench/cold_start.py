@@ -221,6 +221,50 @@ def window(rows: list[dict], first: int, last: int) -> dict:
             "tau": sum(r.get("tau", 1) for r in part) / len(part), "tpot_p50_ms": 1000 * percentile(tpot, 50)}
 
 
+def paired_thirds(rows: dict[str, list[dict]], domains: list[str], against: str = "static") -> dict:
+    """A shifted trace (``--segments``): for each configuration but ``against``, per third of each
+    domain's segment, over the same requests on both servers: mean alpha of each, their paired
+    difference with its one-sided 95% lower bound, the median per-request decode rate (tokens
+    after the first over the time after the first token) as a ratio, and the draft versions that
+    served. Issue 47's floor reads the bound; its speed figure, the decode-rate ratio."""
+    import statistics
+
+    if against not in rows:
+        return {}
+    base = {r["id"]: r for r in rows[against] if r["error"] is None and r["tokens"] > 1}
+    per = -(-len(rows[against]) // len(domains))
+
+    def rate(r):
+        return (r["tokens"] - 1) / max(1e-9, r["latency_s"] - r["ttft_s"])
+
+    def alpha(r):
+        return r.get("alpha") or 0.0  # None: nothing proposed
+
+    out = {}
+    for name, own in rows.items():
+        if name == against:
+            continue
+        mine = {r["id"]: r for r in own if r["error"] is None and r["tokens"] > 1}
+        order = [r["id"] for r in sorted(own, key=lambda r: r["i"])]
+        thirds = []
+        for s, domain in enumerate(domains):
+            segment = order[s * per:(s + 1) * per]
+            for t in range(3):
+                ids = [i for i in segment[t * len(segment) // 3:(t + 1) * len(segment) // 3] if i in mine and i in base]
+                diffs = [alpha(mine[i]) - alpha(base[i]) for i in ids]
+                if len(diffs) < 2:
+                    continue
+                mean, error = statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+                thirds.append({"segment": domain, "third": t + 1, "n": len(ids),
+                               "alpha": statistics.mean(alpha(mine[i]) for i in ids),
+                               f"alpha_{against}": statistics.mean(alpha(base[i]) for i in ids),
+                               "alpha_diff": mean, "alpha_diff_lower_95": mean - 1.645 * error,
+                               "decode_rate_ratio": statistics.median(rate(mine[i]) for i in ids) / statistics.median(rate(base[i]) for i in ids),
+                               "versions": sorted({str(mine[i].get("draft_version")) for i in ids})})
+        out[name] = thirds
+    return out
+
+
 def verdicts(runs: dict, n: int) -> dict:
     """The issue's cold-start targets, from the windows."""
     out = {}
@@ -285,9 +329,9 @@ def main() -> None:
                 t += rng.expovariate(rate)
                 arrivals.append(t)
         names = args.configs.split(",")
-        runs, texts = {}, {}
+        runs, texts, all_rows = {}, {}, {}
         for name, (rows, updates, control, walls, learning) in interleaved(names, args, queries, arrivals, out).items():
-            texts[name] = {r["id"]: r["text"] for r in rows}
+            texts[name], all_rows[name] = {r["id"]: r["text"] for r in rows}, rows
             n = len(queries)
             runs[name] = {"blocks": blocks(rows, args.block, walls), "updates": len(updates),
                           "tokens_per_s": sum(r["tokens"] for r in rows if r["error"] is None) / sum(walls.values()),
@@ -302,6 +346,7 @@ def main() -> None:
         summary = {"n": args.n,
                    "load": None if args.in_flight else args.load, "in_flight": args.in_flight, "domains": args.domains,
                    "segments": args.segments,
+                   "paired_thirds": paired_thirds(all_rows, args.domains.split(",")) if args.segments else None,
                    "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
                    "verdicts": verdicts(runs, args.n), "runs": runs}
         summary = json.loads(harness.write_result(args.json, summary).read_text())
