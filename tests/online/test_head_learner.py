@@ -59,8 +59,14 @@ def learned(tiny_llama, tmp_path_factory):
     acceptance, the version served, whether the output was the target's)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _learn(tiny_llama, tmp_path_factory.mktemp("learned-head"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _learn(tiny_llama, folder):
     target, head = make(tiny_llama)
-    folder = tmp_path_factory.mktemp("learned-head")
     proposer = HybridProposer(FeatureHeadProposer(head), min_ngram=3)
     learner = OnlineLearner(
         proposer, ReplayBuffer(folder / "buffer", policy="window"), DraftRegistry(folder / "drafts"),
@@ -78,7 +84,6 @@ def learned(tiny_llama, tmp_path_factory):
         versions.append(proposer.version)
         learner.observe(out, domain="test")
     learner.wait()
-    torch.set_num_threads(threads)
     return target, head, proposer, learner, alphas, versions, identical
 
 

@@ -125,6 +125,12 @@ class CandidateGate:
             metric = "alpha" if cold else "replayed"
         return metric if self.learnable.replays else "alpha"
 
+    def measure(self, model, records: list, replay: bool, per_position: bool = False) -> dict:
+        """``model``'s figures on ``records`` (:meth:`LearnableDraft.metrics`), computed in the
+        engine's turns: a chunk of positions is a unit of work."""
+        self.pause()
+        return self.learnable.metrics(model, records, self.config.distill, between=self.pause, per_position=per_position, replay=replay)
+
     def judge(self, serving, candidate, groups: dict[str, list], figure: str):
         """(serving's figures, the candidate's, {domain: [figure before, after]}, passed): the
         candidate passes if its ``figure`` (:meth:`figure`: the replayed acceptance, or alpha) on the
@@ -135,13 +141,12 @@ class CandidateGate:
         that gained 0.12 pooled was refused for -0.003 on one of three (docs/online-learning.md).
         A feature head's pooled figures come from its domains' (``LearnableDraft.pool``): each
         held-out record is measured, and replayed, once per draft."""
-        metrics, distill, margin = self.learnable.metrics, self.config.distill, self.config.gate_margin
+        margin = self.config.gate_margin
         held_out = [r for rs in groups.values() for r in rs]
         replay = figure == "replayed"
 
         def measured(model, records, per_position=False):
-            self.pause()  # a chunk of positions is a unit of work
-            return metrics(model, records, distill, between=self.pause, per_position=per_position, replay=replay)
+            return self.measure(model, records, replay, per_position)
 
         parts = {domain: (measured(serving, records, not replay), measured(candidate, records, not replay))
                  for domain, records in (groups.items() if len(groups) > 1 else ())}

@@ -64,8 +64,7 @@ class Updater:
         self.trainer = CandidateTrainer(config, learnable, budget, cancel)
         self.gate = CandidateGate(config, learnable, budget.pause)
         self.next = NextGate()  # gate="next": the candidate waiting for the requests served after it
-        self.floor = AcceptanceFloor(learnable, publisher, lambda model, records: learnable.metrics(
-            model, records, config.distill, between=budget.pause, replay=True))
+        self.floor = AcceptanceFloor(learnable, publisher, lambda model, records: self.gate.measure(model, records, replay=True))
         self.reports: list[UpdateReport] = []
 
     def train(self, serving, records: list):
