@@ -7,9 +7,6 @@ Run it alone with ``pytest -m faults``."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import multiprocessing.forkserver
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +21,9 @@ from onlinespec.serve.core import ServingCore
 from onlinespec.weights import unique_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
-from child import config, forked  # noqa: E402
+import forked  # noqa: E402  (tests/, on sys.path through the root conftest)
+from child import config  # noqa: E402
+from child import forked as child_main  # noqa: E402
 
 CHILD = Path(__file__).parent / "child.py"
 
@@ -52,23 +51,11 @@ class Run:
 
 @pytest.fixture(scope="session")
 def fork_server():
-    """Children are forked from a server process that imported ``child`` (and with it torch,
-    transformers' Llama and onlinespec) once: a case pays no interpreter start-up and imports
-    (about 3 s of its 5 on a CPU of the suite's), and its child is still a separate process,
-    killed for real. Python 3.11's fork server does not take the caller's ``sys.path``: it finds
-    ``child`` through ``PYTHONPATH``, set while it starts."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["child", "transformers.models.llama.modeling_llama", "transformers.generation.utils"])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(CHILD.parent), *([before] if before else [])])
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    return context
+    """Children are forked from the worker's fork server (``tests/forked.py``), which imported
+    ``child`` (and with it torch, transformers' Llama and onlinespec) once: a case pays no
+    interpreter start-up and imports (about 3 s of its 5 on a CPU of the suite's), and its child
+    is still a separate process, killed for real."""
+    return forked.context()
 
 
 @pytest.fixture
@@ -76,7 +63,7 @@ def run_child(tiny_target_folder, fork_server, tmp_path_factory):
     def run(out: Path, n: int = 8, kill_at: str | None = None, fsize: int | None = None, timeout: float = 180) -> Run:
         logs = tmp_path_factory.mktemp("child")
         stdout, stderr = logs / "stdout", logs / "stderr"
-        child = fork_server.Process(target=forked, args=(str(out), str(tiny_target_folder), n, str(stdout), str(stderr), kill_at or "", fsize))
+        child = fork_server.Process(target=child_main, args=(str(out), str(tiny_target_folder), n, str(stdout), str(stderr), kill_at or "", fsize))
         child.start()
         child.join(timeout)
         if child.exitcode is None:

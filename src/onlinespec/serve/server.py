@@ -65,6 +65,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def fresh_interpreter(argv: list[str], log: str | Path | None, env: dict | None) -> subprocess.Popen:
+    """``python -m onlinespec.cli ARGV`` in a new process, stdout and stderr appended to ``log``."""
+    with open(log, "ab") if log else open(os.devnull, "wb") as output:
+        return subprocess.Popen([sys.executable, "-m", "onlinespec.cli", *argv], stdout=output, stderr=subprocess.STDOUT,
+                                env=env or os.environ.copy())
+
+
 class ServerProcess:
     """``onlinespec serve ARGS`` in a child process on 127.0.0.1, ready when entered::
 
@@ -81,10 +88,14 @@ class ServerProcess:
         self.args, self.log, self.env, self.ready_timeout = args, log, env, ready_timeout
         self.process: subprocess.Popen | None = None
 
+    #: How the child starts: ``launch(argv, log, env)`` runs ``onlinespec ARGV`` with its output
+    #: appended to ``log`` and returns a :class:`subprocess.Popen` (or anything with its ``pid``,
+    #: ``returncode``, ``poll``, ``wait``, ``send_signal`` and ``kill``). A fresh interpreter by
+    #: default; the test suite forks its servers from a process that imported onlinespec once.
+    launch = staticmethod(fresh_interpreter)
+
     def start(self) -> ServerProcess:
-        command = [sys.executable, "-m", "onlinespec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        output = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=self.env or os.environ.copy())
+        self.process = self.launch(["serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args], self.log, self.env)
         self.wait_ready()
         return self
 
