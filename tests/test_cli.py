@@ -135,7 +135,8 @@ def test_demo_serves_a_shift_stream_and_compares_online_static_fresh_and_target_
     (previous / "CURRENT").write_text("v0042")
     # one in flight: at batch 1 a draft can pay, so each draft records what it serves (at batch 4 on a
     # CPU adaptive k may draft nothing, and then nothing is recorded: onlinespec.online.learner.records_next)
-    result = runner.invoke(app, ["demo", "--per-domain", "3,2,2", "--max-new-tokens", "6", "--update-interval", "2",
+    # 8 steps an update: the comparison waits for the update in flight (160 steps: 30 s on a core here)
+    result = runner.invoke(app, ["demo", "--per-domain", "3,2,2", "--max-new-tokens", "6", "--update-interval", "2", "--steps-per-update", "8",
                                  "--compare-every", "1", "--concurrency", "1", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "removed the previous demo run" in result.output

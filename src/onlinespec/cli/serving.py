@@ -197,6 +197,7 @@ def demo(
     domains: Annotated[str, typer.Option(help="comma-separated, in stream order (abrupt shifts); math_ml: maths in 23 languages, which the default draft never saw")] = DEMO_DOMAINS,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     update_interval: Annotated[int, typer.Option(min=1, help="I: update each draft every I of its requests")] = 10,
+    steps_per_update: Annotated[Optional[int], typer.Option(min=1, help="optimizer steps per update (default: the server's)")] = None,
     compare_every: Annotated[int, typer.Option(min=1, help="serve every N-th request also with the static draft (and, after, the target alone)")] = 2,
     concurrency: Annotated[int, typer.Option(min=1, help="requests in flight")] = 4,
     target: TargetOpt = CoreConfig.target,
@@ -232,6 +233,8 @@ def demo(
     args = ["--target", target, "--out-dir", str(out_dir / "run"), "--update-interval", str(update_interval), "--static-baseline",
             "--max-batch", str(concurrency), "--default-max-tokens", str(max_new_tokens), "--speculation-details"]
     fresh = fresh and not replicas  # the fresh draft learns in the serving process
+    if steps_per_update:
+        args += ["--steps-per-update", str(steps_per_update)]
     if replicas:
         args += ["--replicas", str(replicas)]
     if fresh:
