@@ -23,6 +23,7 @@ so a later start decides in milliseconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -190,13 +191,25 @@ def measured_variant(source: Path, fmt: str, tokens: int = QUALITY_TOKENS) -> Va
             log.warning("%s could not be read (%s): measuring again", record, err)
     text = quality_text()
     started = time.perf_counter()
-    source_ppl, scored = perplexity(Path(source), text, tokens)
+    source_ppl, scored = _source_perplexity(str(source), _identity(Path(source)), text, tokens)
     ppl, _ = perplexity(path, text, tokens)
     found = Variant(str(source), fmt, str(path), path.stat().st_size, source_ppl, ppl, scored)
     log.info("%s: perplexity %.3f against %.3f as shipped (%+.2f%%, %d tokens, %.0f s)", path.name, ppl, source_ppl,
              100 * found.perplexity_rise, scored, time.perf_counter() - started)
     _save(record, found)
     return found
+
+
+@functools.lru_cache(maxsize=4)
+def _source_perplexity(path: str, identity: tuple, text: str, tokens: int) -> tuple[float, int]:
+    """:func:`perplexity` of the user's file, measured once per process for every format compared
+    with it (``auto`` measures two); ``identity`` (size and modification time) keys a changed file anew."""
+    return perplexity(Path(path), text, tokens)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _save(record: Path, found: Variant) -> None:
