@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from onlinespec.decoding.sampling import SamplingParams, logits_to_probs
+from onlinespec.decoding.sampling import SamplingParams, logits_to_probs, sample
 from onlinespec.decoding.verify import Verdict, verify_greedy, verify_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -413,6 +413,21 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
 def test_a_draw_of_exactly_zero_never_accepts_a_token_the_target_gives_probability_zero(monkeypatch):
     p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])  # the target never writes token 0
     q = torch.tensor([[1.0, 0.0]])  # the draft always proposes it
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None: torch.zeros(*shape))  # u = 0 exactly
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, **kw: torch.zeros(*shape, **kw))  # u = 0 exactly (the sampler draws too)
     verdict = verify_sampling([0], q, p, None)
     assert verdict.n_accepted == 0 and verdict.next_token == 1
+
+
+def test_the_sampler_follows_its_distribution_and_never_draws_a_zero(chi_square, monkeypatch):
+    """The one draw every sampled token comes from (inverse CDF in float64): unnormalised weights
+    with zeros among them, 20,000 draws, chi-square p > 1e-3, no zero-weight token ever; and where
+    the uniform draw meets the total, the last token that can be drawn."""
+    weights = torch.tensor([0.0, 2.0, 0.0, 5.0, 0.5, 2.5, 0.0])
+    generator = torch.Generator().manual_seed(5)
+    draws = torch.tensor([sample(weights, generator) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=len(weights))
+    assert counts[weights == 0].sum() == 0
+    p_value, stat, df = chi_square(counts.tolist(), (weights / weights.sum()).tolist())
+    assert p_value > 1e-3, (p_value, stat, df)
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, **kw: torch.ones(*shape, **kw))  # u = the total
+    assert sample(weights, None) == 5

@@ -125,5 +125,17 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from a 1-D distribution (not necessarily normalised): the first token
+    whose cumulative probability passes one uniform draw (in float64). A token of probability 0
+    is never drawn. Every sampled token of the engine, the drafts and the verifier comes from here.
+
+    ``torch.multinomial`` draws one exponential variate per vocabulary entry on a CPU: 1.8 ms over
+    a 49k vocabulary on this project's test machine, against 0.1 ms for this, about a tenth of a
+    135M target's step saved for each token a sampled request drafts or verifies.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(1, dtype=torch.float64, device=cdf.device, generator=generator) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))
+    if index >= len(cdf):  # u rounded up to the total (about 2^-53 of draws): the last token drawable
+        index = int(torch.nonzero(probs > 0)[-1])
+    return index
