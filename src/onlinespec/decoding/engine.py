@@ -395,6 +395,8 @@ class SpeculativeEngine:
             r.trace.append(self._trace(len(r.ids), proposal, logits, verdict, hidden))
         if r.adaptive is not None and n and proposal.drafter != "grammar":  # forced tokens say nothing of the draft
             r.adaptive.update(proposal, verdict.n_accepted, r.params.greedy)
+            if r.own_adaptive is not None:  # a seeded request's own rounds (planner.own_ask)
+                r.own_adaptive.update(proposal, verdict.n_accepted, False)
         if hidden is not None and r.proposer is not None:  # the state at the last accepted position: what the next draft step reads
             r.proposer.observe(r.draft_state, hidden[verdict.n_accepted])  # (a step's rows share hidden states; the target alone reads none)
         new = r.stop.clip(proposal.tokens[: verdict.n_accepted] + [verdict.next_token])

@@ -25,13 +25,18 @@ this step explores. The maths is :mod:`onlinespec.decoding.adaptive`'s, the stat
 
 from __future__ import annotations
 
-from onlinespec.decoding.adaptive import PlanRow, plan_step, proposal_budget
+from onlinespec.decoding.acceptance import AdaptiveK, expected_tokens
+from onlinespec.decoding.adaptive import MIN_GAIN, PlanRow, plan_step, proposal_budget
 from onlinespec.decoding.cost_curve import CONTEXTS
 from onlinespec.decoding.proposal import Proposal, trim
 from onlinespec.decoding.proposers.base import Proposer
 from onlinespec.decoding.request import RequestState
 
 DRAFT_COST_SMOOTHING = 0.1  # weight of a proposer call's draft-step seconds in its moving average
+# A seeded sampled request's own statistics (own_ask): a weak prior, so a few rounds move them, and
+# one explored proposal after this many rounds that drafted nothing.
+OWN_PRIOR_WEIGHT = 2.0
+OWN_EXPLORE_EVERY = 8
 
 
 class StepPlanner:
@@ -87,12 +92,41 @@ class StepPlanner:
         return budget
 
     def _ask(self, r: RequestState, budget: int | None) -> int:
-        """``k``, never past the tokens ``r`` has left, nor past ``budget`` when it has adaptive k."""
+        """``k``, never past the tokens ``r`` has left, nor past ``budget`` when it has adaptive k
+        (a seeded sampled request: what its own rounds say pays, :func:`own_ask`)."""
         k = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0
-        if budget is not None and r.adaptive is not None and not r.fixed_k:
+        if r.adaptive is not None and r.fixed_k:
+            return own_ask(r, k)
+        if budget is not None and r.adaptive is not None:
             k = min(k, budget)
         return k
 
     def _draft_cost(self, rows: list[RequestState]) -> float:
         """Seconds of one draft step of every proposer of ``rows`` (each drafts its rows in one call)."""
         return sum(self._draft_step_seconds.get(key, 0.0) for key in {id(r.proposer) for r in rows if r.proposer is not None})
+
+
+def own_ask(r: RequestState, k: int) -> int:
+    """How many proposals a seeded sampled request drafts (and then verifies, all of them) this
+    round, from nothing but its own verified rounds: the ``j <= k`` with the best expected tokens
+    per cost of a ``1 + j``-token forward at batch 1 over its own context, on the draft's measured
+    curve (drafting taken as free; a tie goes to ``j = 0``), from acceptance statistics of its own
+    rounds under a weak prior (:data:`OWN_PRIOR_WEIGHT`); one proposal every
+    :data:`OWN_EXPLORE_EVERY` rounds that drafted nothing, so a draft judged not to pay is measured
+    again. Other requests and timings never enter, so the same seed gives the same text whatever
+    else is served (the fixed-k guarantee), while a draft that does not pay for this request stops
+    costing it a k-wide forward every round. Lossless: the choice reads past rounds only, never
+    this round's draws (docs/engine.md, adaptive k)."""
+    if k <= 0:
+        return 0
+    own = r.own_adaptive
+    if own is None:
+        own = r.own_adaptive = AdaptiveK(r.adaptive.curve, prior_weight=OWN_PRIOR_WEIGHT, padded=r.adaptive.padded,
+                                         explore_every=OWN_EXPLORE_EVERY)
+    context = len(r.ids)
+    estimates = own.step_estimates(k)
+    rates = [expected_tokens(estimates, j) / own.cost(1 + j, 1, context) * (1 + MIN_GAIN if j == 0 else 1) for j in range(k + 1)]
+    best = max(range(k + 1), key=lambda j: (rates[j], -j))
+    if best == 0 and own.idle_step():
+        return 1
+    return best

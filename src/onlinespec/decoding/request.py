@@ -182,6 +182,9 @@ class RequestState:
     stop: StopChecker
     proposer: Proposer | None = None
     adaptive: AdaptiveK | None = None  # its draft's acceptance statistics (adaptive k); None: fixed k
+    # a seeded sampled request's own statistics, from its own rounds alone (StepPlanner.own_ask): its
+    # k, and so its text, depend on its seed and not on what else was served
+    own_adaptive: AdaptiveK | None = None
     trace: list[RoundTrace] | None = None  # None: not traced
     id: int = field(default_factory=lambda: next(_ids))
     ids: list[int] = field(default_factory=list)  # prompt + generated
@@ -244,5 +247,6 @@ class RequestState:
     @property
     def fixed_k(self) -> bool:
         """A seeded sampled request drafts and verifies the same number of proposals whatever
-        else is in the batch: its random draws, and so its text, depend on its seed alone."""
+        else is in the batch: its random draws, and so its text, depend on its seed alone. With
+        adaptive k that number comes from its own rounds alone (:attr:`own_adaptive`)."""
         return self.params.reproducible
