@@ -7,7 +7,7 @@ started on first use) that imported them once, and forks each child from it. The
 still a process of its own: its own pid, killed for real, its exit status read back. Only the
 import is shared; nothing has run in the fork server (no torch thread, no model).
 
-``python -m onlinespec.cli serve`` and :func:`serve_cli` run the same code: the CLI's ``app`` on
+``python -m onlinespec.cli ARGS`` and :func:`run_cli` run the same code: the CLI's ``app`` on
 the same arguments, environment and thread count.
 """
 
@@ -45,7 +45,7 @@ def context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def serve_cli(argv: list[str], log: str | None, env: dict[str, str]) -> None:
+def run_cli(argv: list[str], log: str | None, env: dict[str, str]) -> None:
     """``onlinespec ARGV`` in this (forked) process: its output appended to ``log`` (or dropped),
     the environment replaced by ``env`` as a fresh interpreter would have it."""
     target = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -96,6 +96,38 @@ class Forked:
 
 def launch(argv: list[str], log: Path | None, env: dict[str, str] | None) -> Forked:
     """:attr:`ServerProcess.launch <onlinespec.serve.server.ServerProcess.launch>` for the suite."""
-    process = context().Process(target=serve_cli, args=(list(argv), str(log) if log else None, dict(env or os.environ)), daemon=True)
+    process = context().Process(target=run_cli, args=(list(argv), str(log) if log else None, dict(env or os.environ)), daemon=True)
     process.start()
     return Forked(process)
+
+
+def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``onlinespec ARGV`` in a forked child, to its end: :func:`subprocess.run`'s answer, stdout
+    and stderr together in ``stdout`` (a child killed past ``timeout`` raises TimeoutExpired)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+        child = launch(argv, Path(log.name), env)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        return subprocess.CompletedProcess(["onlinespec", *argv], code, log.read(), "")
+
+
+def publish_forever(folder: str, ready) -> None:
+    """The registry's kill test: publish version after version into ``folder`` until killed
+    (``ready`` is set once the first is published)."""
+    import torch
+
+    from onlinespec.online.registry import DraftRegistry
+
+    registry = DraftRegistry(folder)
+    i = 0
+    while True:
+        i += 1
+        registry.publish({"w": torch.full((512, 1024), float(i))}, {"parent": registry.current()})
+        if i == 1:
+            ready.set()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
+import forked
 import pytest
 from child import config, prompt
 
@@ -16,6 +15,7 @@ from onlinespec.decoding.sampling import SamplingParams
 from onlinespec.online.buffer import ReplayBuffer
 from onlinespec.online.registry import DraftRegistry
 from onlinespec.serve.core import ServingCore
+
 
 def greedy(new_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
@@ -60,9 +60,8 @@ def test_a_second_process_on_the_same_out_dir_is_refused_naming_the_holder(tiny_
     stream = tmp_path / "stream.jsonl"
     stream.write_text(json.dumps({"prompt": "def f(x):", "domain": "code"}) + "\n")
     try:
-        proc = subprocess.run([sys.executable, "-m", "onlinespec.cli", "online", "--stream", str(stream), "--json",
-                               str(tmp_path / "r.json"), "--out-dir", str(out), "--target", str(tiny_target_folder),
-                               "--draft", "target-layers:1"], capture_output=True, text=True, timeout=120)
+        proc = forked.run(["online", "--stream", str(stream), "--json", str(tmp_path / "r.json"), "--out-dir", str(out),
+                           "--target", str(tiny_target_folder), "--draft", "target-layers:1"], timeout=120)
     finally:
         core.shutdown(1)
     assert proc.returncode == 2
@@ -89,8 +88,8 @@ def test_drafts_rollback_from_another_process_takes_effect_in_the_running_one(ti
         while not learner.busy:
             assert time.monotonic() < deadline, "no update started"
             time.sleep(0.05)
-        subprocess.run([sys.executable, "-m", "onlinespec.cli", "drafts", "rollback", "--dir", str(out / "drafts"),
-                        "--draft", "code"], check=True, capture_output=True, timeout=60)
+        rolled = forked.run(["drafts", "rollback", "--dir", str(out / "drafts"), "--draft", "code"], timeout=60)
+        assert rolled.returncode == 0, rolled.stdout
         deadline = time.monotonic() + 15
         while learner.publisher.current != parent or learner.busy:
             assert time.monotonic() < deadline, "the running process never took the rollback"

@@ -2,10 +2,9 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
+import forked  # tests/forked.py
 import pytest
 import torch
 
@@ -38,26 +37,16 @@ def test_tied_tensors_are_saved_once(tmp_path):
     assert list(registry.load()) == ["embed.weight"]
 
 
-PUBLISHER = """
-import sys, torch
-from onlinespec.online.registry import DraftRegistry
-registry = DraftRegistry(sys.argv[1])
-i = 0
-while True:
-    i += 1
-    registry.publish({"w": torch.full((512, 1024), float(i))}, {"parent": registry.current()})
-    if i == 1:
-        print("published", flush=True)
-"""
-
-
 def test_sigkill_during_publish_leaves_every_version_loadable(tmp_path):
+    context = forked.context()  # a process of its own that publishes until killed, forked from the suite's fork server
     for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "published"
+        ready = context.Event()
+        publisher = context.Process(target=forked.publish_forever, args=(str(tmp_path), ready), daemon=True)
+        publisher.start()
+        assert ready.wait(60), "the publisher never published"
         time.sleep(0.05 + 0.07 * attempt)  # then kill it somewhere inside a later publish
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(publisher.pid, signal.SIGKILL)
+        publisher.join()
     registry = DraftRegistry(tmp_path)
     registry.recover()  # cleans up what a kill interrupted
     assert registry.current() in registry.versions()
