@@ -69,9 +69,11 @@ def pytest_unconfigure(config):
 # (--dist loadfile --no-loadscope-reorder), so these start first and the short files fill the
 # gaps: a long file drawn last would keep one worker busy while the other idles.
 SLOWEST_FILES = [
-    "tests/test_cli.py",
-    "tests/decoding/test_greedy_identity.py",
+    # first: it measures the llama.cpp cost curve over batch sizes 1-4 that test_cli's bench and demo
+    # (batch 1, on the other worker a minute later) then read from the cache instead of measuring their own
     "tests/decoding/test_llamacpp_backend.py",
+    "tests/decoding/test_greedy_identity.py",
+    "tests/test_cli.py",
     "tests/serve/test_ray_replicas.py",
     "tests/faults/test_kill_points.py",
     "tests/decoding/test_lossless_engine.py",
@@ -100,11 +102,12 @@ EXTENDED = {
     # the reference sampler's own runs (the engine's verify_sampling stays on both cases)
     "tests/decoding/test_verify.py::test_sampling_follows_target_distribution[reference-V5_k2]",
     "tests/decoding/test_verify.py::test_sampling_follows_target_distribution[reference-V6_k3]",
-    # greedy identity on the real target: hybrid (prompt lookup first, then the head, adaptive k) stays, on torch and on
-    # llama.cpp, alone and batched (torch)
+    # greedy identity on the real target: hybrid (prompt lookup first, then the head, adaptive k) stays, batched on
+    # torch, alone and batched on llama.cpp
     "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[ngram-4-False-1]",
     "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[head-3-False-1]",
     "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[target-layers:4-3-False-3]",
+    "tests/decoding/test_greedy_identity.py::test_greedy_speculative_is_identical[hybrid-4-True-1]",  # alone; batched stays
     "tests/decoding/test_llamacpp_backend.py::test_greedy_speculative_is_identical_on_llamacpp[ngram-3-False]",
     # bench on torch (the llama.cpp bench test stays)
     "tests/test_cli.py::test_bench_writes_side_by_side_figures[torch]",

@@ -81,7 +81,7 @@ def test_a_seed_gives_the_same_text_whatever_else_is_in_the_batch(tiny_target, t
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)], ids=["t1.0", "warped"])
 def test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution(tiny_target, tiny_draft, sampling, chi_square):
-    """N = 4000 requests of the tested prompt (seeds 10000..; the unbatched tests' N), each served in a batch of 6 with
+    """N = 3000 requests of the tested prompt (seeds 10000..; the unbatched tests' N), each served in a batch of 6 with
     greedy requests and requests at temperature 1.3 on other prompts; p-value > 1e-3."""
     prompt = [1, 4, 2, 1, 4]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, **sampling)
@@ -90,7 +90,7 @@ def test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution(tiny_t
     decoder = SpeculativeDecoder(tiny_target, None, HybridProposer(FeatureHeadProposer(head), min_ngram=1), k=3,
                                  adaptive_k=AdaptiveK([1.0, 1.1, 1.3, 1.4]))
     prompts, plist, tested = [], [], []
-    for i in range(4000):
+    for i in range(3000):
         tested.append(len(prompts))
         prompts.append(prompt)
         plist.append(SamplingParams(max_new_tokens=NEW_TOKENS, seed=SEED_BASE + i, ignore_eos=True, **sampling))
@@ -103,7 +103,7 @@ def test_sampled_output_in_a_mixed_batch_follows_the_targets_distribution(tiny_t
         counts[tuple(outs[i].token_ids)] = counts.get(tuple(outs[i].token_ids), 0) + 1
     accepted = sum(outs[i].stats.accepted for i in tested)
     rejected = sum(outs[i].stats.rejected for i in tested)
-    assert accepted > 400 and rejected > 400, (accepted, rejected)
+    assert accepted > 300 and rejected > 300, (accepted, rejected)
     assert sum(c for x, c in counts.items() if exact.get(x, 0.0) == 0) == 0
     p_value, stat, df = fit(counts, exact, chi_square)
     assert p_value > PASS_P, (p_value, stat, df)

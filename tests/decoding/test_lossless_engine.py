@@ -26,7 +26,7 @@ from onlinespec.decoding.verify import Verdict, residual_distribution, verify_sa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-N_RUNS = 4000  # 216 outcomes (6 tokens, 3 new): bins below 5 expected are pooled
+N_RUNS = 3000  # 216 outcomes (6 tokens, 3 new): bins below 5 expected are pooled; 1,500 already reject a wrong residual (below)
 NEW_TOKENS = 3
 K = 2
 SEED_BASE = 10_000
@@ -75,7 +75,7 @@ def fit(counts: dict, exact: dict, chi_square) -> float:
 
 @pytest.mark.parametrize("sampling", [PLAIN, WARPED], ids=["t1.0", "t0.7-topk4-topp0.9"])
 def test_draft_model_sampling_matches_target_distribution(tiny_target, tiny_draft, sampling, chi_square):
-    """3-token continuations ~ target alone. N = 4000 runs, seeds 10000.., p-value > 1e-3."""
+    """3-token continuations ~ target alone. N = 3000 runs, seeds 10000.., p-value > 1e-3."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, **sampling)
     exact = exact_distribution(tiny_target, PROMPT, params)
     decoder = SpeculativeDecoder(tiny_target, None, DraftModelProposer(tiny_draft), k=K)
@@ -90,7 +90,7 @@ def test_draft_model_sampling_matches_target_distribution(tiny_target, tiny_draf
 
 @pytest.mark.parametrize("sampling", [PLAIN, WARPED], ids=["t1.0", "t0.7-topk4-topp0.9"])
 def test_ngram_sampling_matches_target_distribution(tiny_target, sampling, chi_square):
-    """Point-mass proposals (n-gram lookup): still the target's distribution. N = 4000, p > 1e-3."""
+    """Point-mass proposals (n-gram lookup): still the target's distribution. N = 3000, p > 1e-3."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, **sampling)
     exact = exact_distribution(tiny_target, NGRAM_PROMPT, params)
     decoder = SpeculativeDecoder(tiny_target, None, NgramProposer(max_ngram=3), k=K)
@@ -104,7 +104,7 @@ def test_ngram_sampling_matches_target_distribution(tiny_target, sampling, chi_s
 def test_the_end_to_end_check_catches_a_wrong_residual(tiny_target, tiny_draft, chi_square, monkeypatch):
     """Power: the same harness, with the engine's correction drawn from p instead of
     norm(max(0, p - q)), is rejected with p-value < 1e-6 (N = 1500, seeds 10000..: p about 4e-14;
-    the tests above draw 4000)."""
+    the tests above draw 3000)."""
 
     def wrong_residual(proposals, draft_probs, target_probs, generator=None):
         verdict = verify_sampling(proposals, draft_probs, target_probs, generator)

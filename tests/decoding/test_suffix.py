@@ -121,7 +121,7 @@ def test_a_confident_copy_is_verified_even_where_drafting_does_not_pay_on_averag
 
 def test_sampling_from_the_index_matches_the_target_distribution(tiny_target, chi_square):
     """Point masses from earlier requests, several continuations per match: the target's
-    distribution all the same. N = 4000, p > 1e-3."""
+    distribution all the same. N = 3000 (the engine tests' N_RUNS), p > 1e-3."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, **PLAIN)
     exact = exact_distribution(tiny_target, PROMPT, params)
     index = SuffixIndex()
