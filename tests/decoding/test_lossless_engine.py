@@ -12,7 +12,6 @@ Greedy: speculative output equals the target-alone output token for token.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
