@@ -11,7 +11,8 @@ requests' lifecycle and asks it:
    token and verifying it whatever it costs (:meth:`AdaptiveK.idle_step`);
    where the budget asks none, a greedy request with adaptive k may still draft what costs nothing
    (:meth:`StepPlanner.lookups`: prompt lookup and the suffix index), and the forward verifies
-   such a copy only where its calibrated confidence pays (a long verbatim match);
+   such a copy only where its calibrated confidence pays (a long verbatim match); a seeded
+   sampled request asks what its own rounds say pays, alone (:func:`own_ask`), and verifies all of it;
 2. after each proposer's call (:meth:`StepPlanner.drafted`): what one draft step of it cost;
 3. before each forward that verifies, once (:meth:`StepPlanner.verify`): its width and each
    request's proposals cut to the count it verifies
