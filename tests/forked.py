@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -104,8 +105,6 @@ def launch(argv: list[str], log: Path | None, env: dict[str, str] | None) -> For
 def run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``onlinespec ARGV`` in a forked child, to its end: :func:`subprocess.run`'s answer, stdout
     and stderr together in ``stdout`` (a child killed past ``timeout`` raises TimeoutExpired)."""
-    import tempfile
-
     with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         child = launch(argv, Path(log.name), env)
         try:
