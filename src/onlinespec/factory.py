@@ -189,11 +189,11 @@ def calibrate(target: LoadedModel, kernels: bool, kernel_width: int, max_width: 
     if llama:  # the GGUF file's weights and llama.cpp's kernels decide the curve; torch's kernels do not run
         import llama_cpp
 
-        from onlinespec.decoding.runners.llamacpp import cpu_threads
+        from onlinespec.decoding.runners.llamacpp import FLASH_ATTENTION, cpu_threads
 
         kernels = False
         key.update(backend="llama.cpp", gguf=[target.gguf.name, target.gguf.stat().st_size], llama_cpp=llama_cpp.__version__,
-                   threads=cpu_threads(), dtype="gguf", kernels=False)
+                   threads=cpu_threads(), dtype="gguf", kernels=False, flash_attention=FLASH_ATTENTION)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
     if os.environ.get(RECALIBRATE) != "1" and (saved := _cached_calibration(path, key)) is not None:

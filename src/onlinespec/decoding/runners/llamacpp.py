@@ -13,7 +13,10 @@ through llama-cpp-python's ctypes bindings (``docs/backends.md`` says why that b
   fails on caches that cannot drop a partial sequence, e.g. recurrent models);
 - the context has embeddings on with no pooling, so one decode returns both the logits and the
   final post-norm hidden state of every output position: the feature head and the recorder
-  read the same features as on the torch backend.
+  read the same features as on the torch backend;
+- flash attention is off (:data:`FLASH_ATTENTION`): llama.cpp's ``auto`` turns it on, and on
+  this 2-core CPU its kernel made a block of several tokens after 2,000 cached 1.8x as slow
+  (docs/engine.md, "Attention at long contexts").
 
 Prompts longer than ``n_batch`` tokens are decoded in pieces of ``n_batch``.
 
@@ -39,6 +42,11 @@ from onlinespec.decoding.prefix_cache import PrefixCache
 DEFAULT_CONTEXT = 4096  # tokens per request unless asked (the KV cache is allocated up front, per request)
 N_BATCH = 512  # tokens per llama_decode call
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context may have
+# llama.cpp's flash_attn_type for the engine's context. Measured here (bench/attention_cost.py,
+# docs/results/attention_cost.json): 5 tokens after 2,000 cached cost 89 ms without it and 161 ms
+# with it (1.8x), after 512 60 against 74 ms; after 64 it wins by 4% (52 against 50 ms), and one
+# token after 64 by 14%. The engine verifies blocks of several tokens, at every context.
+FLASH_ATTENTION = "disabled"
 
 
 class LlamaCppError(RuntimeError):
@@ -128,6 +136,7 @@ class LlamaCppRunner:
         params.embeddings = True
         params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
         params.kv_unified = False
+        params.flash_attn_type = getattr(lib, f"LLAMA_FLASH_ATTN_TYPE_{FLASH_ATTENTION.upper()}")
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
             raise LlamaCppError(f"llama.cpp could not make a context of {self.sequences} x {self._context} tokens for "
