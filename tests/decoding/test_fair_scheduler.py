@@ -212,24 +212,32 @@ def test_the_steps_prefill_budget_goes_to_the_less_served_tenant_first(tiny_targ
     assert long.stop.generated == _decoder(tiny_target).generate([1, 2, 3, 4, 5] * 8, SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
 
 
-def test_a_tenant_ahead_of_another_prefills_a_rows_worth_a_step_while_the_other_decodes(tiny_target):
+def test_a_tenant_ahead_of_another_prefills_a_rows_time_a_step_while_the_other_decodes(tiny_target):
     """Issue 46: tenant B's long prompt took the step's whole prefill budget every step (on the
     llama.cpp target a 256-token scored chunk is seconds, a decoding step a tenth of one), each of
-    tenant A's steps paying for it; now B prefills up to PREFILL_SLACK tokens past A's charge,
-    then one row's block (k + 1 tokens) a step as A is served, and its text is the same."""
+    tenant A's steps paying for it; then a row's block (k + 1 tokens) every step, which for a
+    4k-token prompt scored after 3,000 cached tokens still cost ten rows' time a step. Now B
+    prefills up to PREFILL_SLACK tokens past A's charge, then a row's block only when the rows'
+    time it waited covers the block: its prefill costs A's steps what one more row of B would
+    (at most one block ahead), and its text is the same."""
     decoder = _decoder(tiny_target, chunk=16)
     scheduler = FairScheduler(decoder.engine, max_batch=4)
-    a = scheduler.submit(decoder.request([1, 2], SamplingParams(max_new_tokens=200, ignore_eos=True)), tenant="A", group="a")
+    a = scheduler.submit(decoder.request([1, 2], SamplingParams(max_new_tokens=250, ignore_eos=True)), tenant="A", group="a")
     scheduler.step()
     prompt, params = [1, 2, 3, 4, 5] * 20, SamplingParams(max_new_tokens=3, ignore_eos=True)
     b = scheduler.submit(decoder.request(prompt, params), tenant="B", group="b")
-    prefilled = []
+    reports = []
     while not b.stop.generated:
-        prefilled.append(scheduler.step()[1].prefill_tokens)
+        reports.append(scheduler.step()[1])
     assert not a.finished
+    prefilled = [report.prefill_tokens for report in reports]
     assert prefilled[:4] == [16] * 4  # PREFILL_SLACK (64) in chunks of 16 (before: 16 every step)
     assert prefilled[4] <= 4 + 1  # what A was served meanwhile (a token a step)
-    assert max(prefilled[5:]) <= decoder.engine.k + 1  # then a row's block a step, as A is served
+    paced = reports[5:]
+    assert max(report.prefill_tokens for report in paced) <= decoder.engine.k + 1  # then a row's block at most
+    spent = sum(report.prefill_seconds for report in paced)  # B's prefill forwards, each on credit
+    earned = sum(report.target_seconds for report in reports[4:])  # A's one row: what one more row cost, each step past the share
+    assert spent <= earned + max(report.prefill_seconds for report in paced)  # one block's overdraft at most
     scheduler.run()
     assert b.stop.generated == _decoder(tiny_target).generate(prompt, params).token_ids
 

@@ -111,6 +111,7 @@ class SpeculativeEngine:
         self.prefill_chunk = prefill_chunk
         self.draft_failures = 0  # proposer calls that raised (their requests went on undrafted)
         self.shared_prefill_tokens = 0  # prompt positions copied from another request's cache (_share_prompt)
+        self._paced: set[int] = set()  # the step's requests whose prefill runs on their credit (_paced_room)
 
     @property
     def k(self) -> int:
@@ -157,17 +158,22 @@ class SpeculativeEngine:
         self._leave(active)
         decoding: list[RequestState] = list(self.runner.rows)
         report = StepReport(batch=len(decoding))
+        self._paced.clear()
         joining = self._admit(active, decoding, report)
         for r in active:
             r.new_tokens = []
         tick = time.perf_counter()
+        rows = joining + decoding
         asks = self.planner.asks(joining, decoding, self.runner.columns)
-        proposals = self._draft(joining + decoding, asks, self.planner.lookups(joining + decoding, asks))
-        proposals = self._constrain(joining + decoding, proposals)
+        forced = self._forced(rows, asks)  # a grammar's forced tokens: those rows call no draft
+        lookups = [0 if i in forced else n for i, n in enumerate(self.planner.lookups(rows, asks))]
+        proposals = self._draft(rows, asks, lookups)
+        proposals = self._constrain(rows, proposals, forced)
         report.draft_seconds = time.perf_counter() - tick
         report.context = self.runner.columns
         if decoding:
             self._verify_batch(decoding, proposals[len(joining):], report)
+            self._credit(active, decoding + joining, report.target_seconds / len(decoding))
         self._verify_joining(joining, proposals[: len(joining)], report)
         self.runner.release([r for r in self.runner.rows if r.finished])
         report.seconds = time.perf_counter() - start
@@ -192,7 +198,8 @@ class SpeculativeEngine:
         on an empty batch every prompt that fits a chunk joins at once, and of longer ones one
         chunk runs a step (a 4k-token prompt alone took one step of minutes, during which nothing
         that arrived was admitted: issue 46). A request prefills at most what its tenant's fair
-        share of the step leaves (``prefill_share``), and one row's block (k + 1 tokens) at least."""
+        share of the step leaves (``prefill_share``); past it, one row's block (k + 1 tokens)
+        when its credit covers the block's cost (:meth:`_paced_room`)."""
         running = {id(r) for r in decoding}
         budget = self.prefill_chunk if decoding else None  # None: nobody decodes
         joining, filling = [], []
@@ -204,14 +211,21 @@ class SpeculativeEngine:
                 continue  # another choice of its prompt is prefilling it: copy its cells once it holds them
             rest, share = len(r.ids) - r.prefilled, r.prefill_share
             room = self.prefill_chunk if budget is None else budget
-            room = room if share is None else min(room, max(share[0], self.k + 1))
+            paced = share is not None and share[0] <= 0
+            if share is not None:
+                room = min(room, self._paced_room(r, rest) if paced else max(share[0], self.k + 1))
+            tick = time.perf_counter()
             if rest <= room:
                 joining.append(r)
                 spent = rest
+                if paced:  # its forward's seconds come off its credit (_verify_joining)
+                    self._paced.add(id(r))
             elif room > 0 and not (budget is None and filling):  # a chunk that does not reach the end of the prompt
                 self._prefill(r, r.ids[r.prefilled: r.prefilled + room], report)
                 filling.append(r)
                 spent = room
+                if paced:
+                    r.prefill_credit -= time.perf_counter() - tick
             else:
                 filling.append(r)
                 continue
@@ -219,6 +233,24 @@ class SpeculativeEngine:
             if share is not None:
                 share[0] -= spent
         return joining
+
+    def _credit(self, active: list[RequestState], placed: list[RequestState], row: float) -> None:
+        """Each request still prefilling past its tenant's share earns ``row`` seconds (what one
+        more row of the batch cost this step) of credit, at most one block's worth banked."""
+        placed_ids = {id(r) for r in placed}
+        for r in active:
+            if not r.finished and id(r) not in placed_ids and r.prefill_share is not None and r.prefill_share[0] <= 0:
+                r.prefill_credit = min(r.prefill_credit + row, row + (self.k + 1) * r.prefill_rate)
+
+    def _paced_room(self, r: RequestState, rest: int) -> int:
+        """What a request past its tenant's share may prefill this step: one row's block (k + 1
+        tokens, or the ``rest`` of its text) when its credit covers that at its last chunk's rate,
+        else nothing. Its credit grows by one batch row's seconds each step it waits (:meth:`step`),
+        so while past its share its prefill costs the others' steps what one more row of its own
+        would: a 4k-token prompt scored a chunk at a time after 3,000 cached tokens (on this CPU
+        0.1 s a chunk, ten rows' time) no longer lengthens every step (issue 46)."""
+        block = min(rest, self.k + 1)
+        return block if r.prefill_credit >= block * r.prefill_rate else 0
 
     def _prefill(self, r: RequestState, chunk: list[int], report: StepReport) -> None:
         """One prompt chunk into the request's cache: no logits needed, unless the request asked
@@ -234,7 +266,9 @@ class SpeculativeEngine:
             self._failed(r, err, report)
             self.runner.release([r])
             return
-        report.prefill_seconds += time.perf_counter() - tick
+        seconds = time.perf_counter() - tick
+        report.prefill_seconds += seconds
+        r.prefill_rate = seconds / len(chunk)
         r.prefilled += len(chunk)
         report.prefill_tokens += len(chunk)
 
@@ -335,6 +369,9 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - tick
         report.prefill_seconds += seconds
         report.prefill_tokens += len(rest)
+        r.prefill_rate = seconds / len(rest + proposal.tokens)
+        if id(r) in self._paced:
+            r.prefill_credit -= seconds
         r.prefilled = cached
         return self._finish_round(r, proposal, logits, hidden, RoundTiming(len(proposal), report.draft_seconds, seconds, 1, proposal.drafter))
 
@@ -359,14 +396,42 @@ class SpeculativeEngine:
                     proposals[i] = proposal
         return proposals
 
-    def _constrain(self, rows: list[RequestState], proposals: list[Proposal]) -> list[Proposal]:
-        """Constrained rows propose what their grammar forces, or their draft's proposals cut
-        where the grammar forbids (:meth:`~onlinespec.decoding.grammar.GrammarState.propose`)."""
+    def _forced(self, rows: list[RequestState], asks: list[int]) -> dict[int, list[int]]:
+        """The tokens each constrained row's grammar forces next (:meth:`~onlinespec.decoding.grammar.GrammarState.forced_tokens`),
+        by row; those rows ask their draft for nothing (``asks`` zeroed)."""
+        forced = {}
         for i, r in enumerate(rows):
-            if r.grammar is not None and not r.finished:
-                most = min(self.k, r.stop.remaining - 1) if r.proposer is not None else 0  # the target alone proposes nothing
-                proposals[i] = r.grammar.propose(proposals[i], most, not r.params.greedy and proposals[i].probs is not None)
+            if r.grammar is not None and not r.finished and r.proposer is not None:  # the target alone proposes nothing
+                tokens = r.grammar.forced_tokens(min(self.k, r.stop.remaining - 1))
+                if tokens:
+                    forced[i], asks[i] = tokens, 0
+        return forced
+
+    def _constrain(self, rows: list[RequestState], proposals: list[Proposal], forced: dict[int, list[int]]) -> list[Proposal]:
+        """Constrained rows propose what their grammar forces (continued by a greedy row's free
+        lookups from the text the forced tokens complete), or their draft's proposals cut where
+        the grammar forbids (:meth:`~onlinespec.decoding.grammar.GrammarState.propose`)."""
+        for i, r in enumerate(rows):
+            if r.grammar is None or r.finished:
+                continue
+            tokens = forced.get(i, [])
+            if tokens:
+                proposals[i] = self._continue_forced(r, tokens)
+            proposals[i] = r.grammar.propose(proposals[i], tokens, not r.params.greedy and proposals[i].probs is not None)
         return proposals
+
+    def _continue_forced(self, r: RequestState, forced: list[int]) -> Proposal:
+        """What a greedy request's free lookups draft after its ``forced`` tokens (nothing for a
+        sampled one, or when its proposer has no lookups): the tokens the forced ones lead to."""
+        room = min(self.k, r.stop.remaining - 1) - len(forced)
+        if room <= 0 or not r.params.greedy or not r.proposer.free_drafts:
+            return Proposal(drafter="grammar")
+        ahead = DraftInput(r.ids + forced, room, r.params, r.generator, r.draft_state, tenant=r.tenant)
+        try:
+            return trim(r.proposer.propose_free([ahead])[0], room)
+        except Exception:  # drafts are advice
+            logging.getLogger("onlinespec.engine").exception("proposer %s failed a lookup; the forced tokens go alone", r.proposer.name)
+            return Proposal(drafter="grammar")
 
     def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int], free: bool = False) -> list[Proposal]:
         """One proposer's call for its requests (``free``: its lookups only), timed for the planner;

@@ -193,9 +193,12 @@ class RequestState:
     draft_state: Any = None  # the proposer's state for this request (Proposer.start)
     prefilled: int = 0  # tokens of ``ids`` already in the target cache while it (re)fills (chunked prefill)
     # the tokens its tenant may still prefill in this step, one list shared by the tenant's running
-    # requests (the scheduler's fair share, each step; a request gets one row's block, k + 1, at least);
-    # None: the step's whole prefill budget
+    # requests (the scheduler's fair share, each step); None: the step's whole prefill budget. Past
+    # it, a row's block (k + 1 tokens) runs when ``prefill_credit`` (seconds: one batch row's time
+    # per step waited) covers its cost at ``prefill_rate`` (seconds per token of its last chunk)
     prefill_share: list[int] | None = None
+    prefill_credit: float = 0.0
+    prefill_rate: float = 0.0
     submitted: float = field(default_factory=time.perf_counter)
     new_tokens: list[int] = field(default_factory=list)  # what the last step emitted
     embed: bool = False  # keep a prompt embedding from the prefill's hidden states (content routing)
