@@ -73,14 +73,18 @@ def test_proposals_forced_or_cut_by_the_grammar(default_tokenizer):
     state = GrammarState(Constraint.choice(["yes please", "no thanks"]), default_tokenizer, {default_tokenizer.eos_token_id})
     yes = default_tokenizer.encode("yes please", add_special_tokens=False)
     bad = default_tokenizer.encode("maybe", add_special_tokens=False)
-    cut = state.propose(Proposal(yes[:1] + bad), 0, keep_forbidden=False)
+    cut = state.propose(Proposal(yes[:1] + bad), keep_forbidden=False)
     assert cut.tokens == yes[:1]
     probs = torch.full((1 + len(bad), 8), 0.125)
-    kept = state.propose(Proposal(yes[:1] + bad, probs), 0, keep_forbidden=True)  # a sampled draft's forbidden token stays, rejected for sure
+    kept = state.propose(Proposal(yes[:1] + bad, probs), keep_forbidden=True)  # a sampled draft's forbidden token stays, rejected for sure
     assert kept.tokens == yes[:1] + bad[:1] and kept.probs.shape[0] == 2
     state.matcher.consume_token(yes[0])
-    forced = state.propose(Proposal(), 4, keep_forbidden=False)
-    assert forced.drafter == "grammar" and default_tokenizer.decode(yes[:1] + forced.tokens).startswith("yes please")
+    ahead = state.forced_tokens(4)  # asked before drafting: a forced round calls no draft
+    assert ahead and default_tokenizer.decode(yes[:1] + ahead).startswith("yes")
+    forced = state.propose(Proposal(), ahead)
+    assert forced.drafter == "grammar" and forced.tokens == ahead and forced.confidences == [1.0] * len(ahead)
+    continued = state.propose(Proposal(bad + yes[1:]), ahead)  # a lookup's continuation after them, cut where the grammar forbids
+    assert continued.tokens == ahead
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ that engine), into a matcher that each constrained request copies (:class:`Gramm
 
 How it meets speculation (arXiv 2310.07177, background; docs/engine.md):
 
-- **before verification** (:meth:`GrammarState.propose`): where the grammar forces the next
-  tokens (one allowed continuation: ``{"name": "`` after ``{`` in a schema), those tokens are the
-  round's proposals, free of any draft call (SGLang's jump-forward); otherwise the draft's
+- **before verification** (:meth:`GrammarState.forced_tokens`, :meth:`GrammarState.propose`): where
+  the grammar forces the next tokens (one allowed continuation: ``{"name": "`` after ``{`` in a
+  schema), those tokens are the round's first proposals, asked before drafting so that no draft
+  is called (SGLang's jump-forward), and a greedy request's free lookups continue them from the
+  text they complete; otherwise the draft's
   proposals are cut at the first one the grammar forbids. A sampled draft's forbidden token is
   kept (its probability under the masked target is 0, so it is rejected with certainty and the
   correction is drawn from ``norm(max(0, p - q))``, as the exact rejection sampler requires);
@@ -147,15 +149,20 @@ class GrammarState:
         self.forced = 0  # tokens proposed because the grammar forced them (jump-forward)
         self.cut = 0  # draft proposals cut because the grammar forbids them
 
-    def propose(self, proposal: Proposal, most: int, keep_forbidden: bool) -> Proposal:
-        """The round's proposals: the tokens the grammar forces (at most ``most``), else the
-        draft's cut at the first forbidden one (kept, last, when ``keep_forbidden``: a sampled
-        draft's, see the module docstring)."""
-        if most > 0:
-            forced = self.matcher.compute_ff_tokens()[:most]
-            if forced:
-                self.forced += len(forced)
-                return Proposal(forced, confidences=[1.0] * len(forced), drafter="grammar")
+    def forced_tokens(self, most: int) -> list[int]:
+        """The next tokens the grammar forces (SGLang's jump-forward), at most ``most``: asked
+        before drafting, so that a forced round calls no draft."""
+        return self.matcher.compute_ff_tokens()[:most] if most > 0 else []
+
+    def propose(self, proposal: Proposal, forced: list[int] = (), keep_forbidden: bool = False) -> Proposal:
+        """The round's proposals: the ``forced`` tokens then ``proposal``'s (drafted after them: a
+        lookup's continuation), or the draft's alone; either cut at the first token the grammar
+        forbids (kept, last, when ``keep_forbidden``: a sampled draft's, see the module docstring)."""
+        if forced:
+            self.forced += len(forced)
+            more = proposal.tokens[: self.matcher.validate_tokens(list(forced) + proposal.tokens) - len(forced)]
+            confidences = [1.0] * len(forced) + list((proposal.confidences or [0.0] * len(more))[: len(more)])
+            return Proposal(list(forced) + more, confidences=confidences, drafter="grammar")
         valid = self.matcher.validate_tokens(proposal.tokens)
         if valid == len(proposal):
             return proposal
