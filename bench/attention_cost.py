@@ -3,9 +3,10 @@
 One llama.cpp context with flash attention off and one with it on, on the same loaded GGUF; for
 each cached context length (64, 512, 2,000 tokens) and block width w = 1..6 (every row's logits,
 as the engine's verification asks), the median of ``--reps`` forwards, the two contexts
-interleaved rep by rep (this machine's speed drifts). The engine's runner uses the setting this
-measurement chose (``onlinespec.decoding.runners.llamacpp.FLASH_ATTENTION``; docs/engine.md,
-"Attention at long contexts").
+interleaved rep by rep (this machine's speed drifts). The engine's runner keeps llama.cpp's
+default, on (``onlinespec.decoding.runners.llamacpp.FLASH_ATTENTION``): off is faster at long
+contexts but makes a row's logits depend on its block's width (docs/engine.md, "Attention at
+long contexts").
 
     python bench/attention_cost.py                          # the packaged target
     python bench/attention_cost.py --target FILE.gguf --out docs/results/attention_cost.json

@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/structured.json")
     args = parser.parse_args()
 
+    from onlinespec.benchmark import machine_info
     from onlinespec.decoding.grammar import Constraint, GrammarError, compile_constraint
     from onlinespec.decoding.sampling import SamplingParams
     from onlinespec.factory import engine_options, make_proposer, new_decoder
@@ -95,7 +96,8 @@ def main() -> None:
 
     target = load_target("default")
     alone = new_decoder(target, None, 0)
-    spec = new_decoder(target, make_proposer("hybrid", target).proposer, 4, engine_options(target, 4, adaptive=True))
+    options = engine_options(target, 4, adaptive=True)
+    spec = new_decoder(target, make_proposer("hybrid", target).proposer, 4, options)
     rows, refused = [], {}
     files = schema_files(args.schemas)[: args.limit or None]
     for path in files:
@@ -115,21 +117,63 @@ def main() -> None:
             rows.append(row)
             print(f"{path.name:32s} {mode:7s} alone {a['tokens'] / a['seconds']:6.1f} tok/s  spec {s['tokens'] / s['seconds']:6.1f} tok/s  "
                   f"forced {s['forced']:3d}  {row['checks']}  identical {row['identical']}", flush=True)
-    summarise(rows, refused, len(files), args.out)
+    summary = summarise(rows, refused, len(files))
+    summary["forced_bound"] = forced_bound(rows, schema_files(args.schemas), target.tokenizer, alone.eos_token_ids,
+                                           options["cost_curve"].seconds[(1, 64)], 4)
+    summary.update(command="python bench/structured.py " + " ".join(sys.argv[1:]), machine=machine_info(),
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(json.dumps(summary, indent=1))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
 
 
-def summarise(rows: list[dict], refused: dict, chosen: int, out: str) -> None:
+def forced_bound(rows: list[dict], files: list[Path], tokenizer, eos, curve: list[float], k: int) -> dict:
+    """What forced tokens alone could give on this machine's verify-cost curve (one request, 64
+    cached tokens): each greedy output of the target alone replayed through its grammar, a round of
+    ``w`` forced tokens (at most ``k``) and the token after them costing ``curve[w]``, every other
+    token one step. The speedup of a perfect jump-forward with no draft, against the target alone."""
+    from onlinespec.decoding.grammar import Constraint, compile_constraint
+
+    by_name = {path.name: path for path in files}
+    steps = spent = forced = 0.0
+    runs = []
+    for row in (r for r in rows if r["mode"] == "greedy"):
+        matcher = compile_constraint(Constraint.json_schema(json.loads(by_name[row["schema"]].read_text())), tokenizer, eos)
+        ids, i = row["alone"]["ids"], 0
+        while i < len(ids):
+            ahead, n = matcher.compute_ff_tokens()[:k], 0
+            while n < len(ahead) and i + n < len(ids) and ids[i + n] == ahead[n]:
+                n += 1
+            for token in ids[i: i + n + 1]:
+                matcher.consume_token(token)
+            spent += curve[min(n, len(curve) - 1)]
+            forced += n
+            runs += [n] if n else []
+            i += n + 1
+        steps += len(ids) * curve[0]
+    return {"greedy_tokens": sum(len(r["alone"]["ids"]) for r in rows if r["mode"] == "greedy"), "forced_tokens": int(forced),
+            "forced_runs": len(runs), "mean_run": sum(runs) / len(runs) if runs else 0.0, "curve_ms": [round(c * 1000, 2) for c in curve],
+            "speedup_bound": steps / spent if spent else 1.0}
+
+
+def summarise(rows: list[dict], refused: dict, chosen: int) -> dict:
     alone = sum(r["alone"]["tokens"] for r in rows) / max(sum(r["alone"]["seconds"] for r in rows), 1e-9)
     spec = sum(r["spec"]["tokens"] for r in rows) / max(sum(r["spec"]["seconds"] for r in rows), 1e-9)
     checks = [c for r in rows for c in r["checks"]]
-    summary = {"schemas": chosen, "refused": refused, "alone_tokens_per_s": alone, "spec_tokens_per_s": spec, "speedup": spec / alone if alone else 0,
+    by_mode = {}
+    for mode in ("greedy", "sampled"):
+        mine = [r for r in rows if r["mode"] == mode]
+        a = sum(r["alone"]["tokens"] for r in mine) / max(sum(r["alone"]["seconds"] for r in mine), 1e-9)
+        s = sum(r["spec"]["tokens"] for r in mine) / max(sum(r["spec"]["seconds"] for r in mine), 1e-9)
+        by_mode[mode] = s / a if a else 0.0
+    summary = {"schemas": chosen, "compiled": chosen - len(refused), "refused": refused, "alone_tokens_per_s": alone,
+               "spec_tokens_per_s": spec, "speedup": spec / alone if alone else 0, "speedup_by_mode": by_mode,
+               "forced_tokens": sum(r["spec"]["forced"] for r in rows), "spec_tokens": sum(r["spec"]["tokens"] for r in rows),
                "greedy_identical": sum(bool(r["identical"]) for r in rows if r["mode"] == "greedy"),
                "greedy_runs": sum(r["mode"] == "greedy" for r in rows),
                "ended": {c: checks.count(c) for c in ("valid", "invalid", "unparsed", "schema-error")}, "cut_by_max_tokens": checks.count("cut"),
                "outputs": len(checks)}
-    print(json.dumps(summary, indent=1))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    Path(out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

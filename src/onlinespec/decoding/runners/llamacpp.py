@@ -14,9 +14,9 @@ through llama-cpp-python's ctypes bindings (``docs/backends.md`` says why that b
 - the context has embeddings on with no pooling, so one decode returns both the logits and the
   final post-norm hidden state of every output position: the feature head and the recorder
   read the same features as on the torch backend;
-- flash attention is off (:data:`FLASH_ATTENTION`): llama.cpp's ``auto`` turns it on, and on
-  this 2-core CPU its kernel made a block of several tokens after 2,000 cached 1.8x as slow
-  (docs/engine.md, "Attention at long contexts").
+- flash attention stays llama.cpp's default (:data:`FLASH_ATTENTION`, on for a CPU): off is
+  faster at long contexts here, but it makes a verified row's logits depend on its block's
+  width (docs/engine.md, "Attention at long contexts").
 
 Prompts longer than ``n_batch`` tokens are decoded in pieces of ``n_batch``.
 
@@ -42,11 +42,13 @@ from onlinespec.decoding.prefix_cache import PrefixCache
 DEFAULT_CONTEXT = 4096  # tokens per request unless asked (the KV cache is allocated up front, per request)
 N_BATCH = 512  # tokens per llama_decode call
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context may have
-# llama.cpp's flash_attn_type for the engine's context. Measured here (bench/attention_cost.py,
-# docs/results/attention_cost.json): 5 tokens after 2,000 cached cost 89 ms without it and 161 ms
-# with it (1.8x), after 512 60 against 74 ms; after 64 it wins by 4% (52 against 50 ms), and one
-# token after 64 by 14%. The engine verifies blocks of several tokens, at every context.
-FLASH_ATTENTION = "disabled"
+# llama.cpp's flash_attn_type for the engine's context: its own default (on, for a CPU). Off was
+# measured here (bench/attention_cost.py, docs/results/attention_cost.json) up to 1.8x faster for a
+# block of several tokens at a long context, but its batched attention made a row's logits depend
+# on the block's width: greedy output under 30 JSON schemas left the target alone's at a near-tie
+# on 14 of 30 (docs/engine.md, "Attention at long contexts"). On, a row's attention is its own,
+# and a Q4_1 file's rows are computed alike at every width.
+FLASH_ATTENTION = "auto"
 
 
 class LlamaCppError(RuntimeError):
