@@ -41,6 +41,7 @@ import torch
 from transformers import PreTrainedModel
 
 from onlinespec.decoding.cost_curve import CostCurve
+from onlinespec.decoding.grammar import constrain, forced_rows
 from onlinespec.decoding.logprobs import score
 from onlinespec.decoding.planner import StepPlanner
 from onlinespec.decoding.processors import apply_processors
@@ -165,10 +166,10 @@ class SpeculativeEngine:
         tick = time.perf_counter()
         rows = joining + decoding
         asks = self.planner.asks(joining, decoding, self.runner.columns)
-        forced = self._forced(rows, asks)  # a grammar's forced tokens: those rows call no draft
+        forced = forced_rows(rows, asks, self.k)  # a grammar's forced tokens: those rows call no draft
         lookups = [0 if i in forced else n for i, n in enumerate(self.planner.lookups(rows, asks))]
         proposals = self._draft(rows, asks, lookups)
-        proposals = self._constrain(rows, proposals, forced)
+        proposals = constrain(rows, proposals, forced, self.k)
         report.draft_seconds = time.perf_counter() - tick
         report.context = self.runner.columns
         if decoding:
@@ -395,43 +396,6 @@ class SpeculativeEngine:
                 for i, proposal in zip(members, drafted):
                     proposals[i] = proposal
         return proposals
-
-    def _forced(self, rows: list[RequestState], asks: list[int]) -> dict[int, list[int]]:
-        """The tokens each constrained row's grammar forces next (:meth:`~onlinespec.decoding.grammar.GrammarState.forced_tokens`),
-        by row; those rows ask their draft for nothing (``asks`` zeroed)."""
-        forced = {}
-        for i, r in enumerate(rows):
-            if r.grammar is not None and not r.finished and r.proposer is not None:  # the target alone proposes nothing
-                tokens = r.grammar.forced_tokens(min(self.k, r.stop.remaining - 1))
-                if tokens:
-                    forced[i], asks[i] = tokens, 0
-        return forced
-
-    def _constrain(self, rows: list[RequestState], proposals: list[Proposal], forced: dict[int, list[int]]) -> list[Proposal]:
-        """Constrained rows propose what their grammar forces (continued by a greedy row's free
-        lookups from the text the forced tokens complete), or their draft's proposals cut where
-        the grammar forbids (:meth:`~onlinespec.decoding.grammar.GrammarState.propose`)."""
-        for i, r in enumerate(rows):
-            if r.grammar is None or r.finished:
-                continue
-            tokens = forced.get(i, [])
-            if tokens:
-                proposals[i] = self._continue_forced(r, tokens)
-            proposals[i] = r.grammar.propose(proposals[i], tokens, not r.params.greedy and proposals[i].probs is not None)
-        return proposals
-
-    def _continue_forced(self, r: RequestState, forced: list[int]) -> Proposal:
-        """What a greedy request's free lookups draft after its ``forced`` tokens (nothing for a
-        sampled one, or when its proposer has no lookups): the tokens the forced ones lead to."""
-        room = min(self.k, r.stop.remaining - 1) - len(forced)
-        if room <= 0 or not r.params.greedy or not r.proposer.free_drafts:
-            return Proposal(drafter="grammar")
-        ahead = DraftInput(r.ids + forced, room, r.params, r.generator, r.draft_state, tenant=r.tenant)
-        try:
-            return trim(r.proposer.propose_free([ahead])[0], room)
-        except Exception:  # drafts are advice
-            logging.getLogger("onlinespec.engine").exception("proposer %s failed a lookup; the forced tokens go alone", r.proposer.name)
-            return Proposal(drafter="grammar")
 
     def _propose(self, proposer: Proposer, requests: list[RequestState], asks: list[int], free: bool = False) -> list[Proposal]:
         """One proposer's call for its requests (``free``: its lookups only), timed for the planner;

@@ -27,6 +27,7 @@ output follows the target's distribution renormalised over the allowed tokens.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import llguidance.hf
 import llguidance.numpy  # not llguidance.torch: its torch.compile'd kernel imports torch's compiler, 2 s at every process start
 import torch
 
-from onlinespec.decoding.proposal import Proposal
+from onlinespec.decoding.proposal import DraftInput, Proposal, trim
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar longer than this is refused before compiling
@@ -199,3 +200,46 @@ class GrammarState:
             self.matcher.rollback(taken - accepted)
         if not self.matcher.consume_token(next_token):
             raise RuntimeError(f"the grammar refused token {next_token} it allowed: {self.matcher.get_error()}")
+
+
+# ---- a step's constrained rows (the engine calls these; ``rows`` are its RequestStates) ----------
+
+
+def forced_rows(rows: list, asks: list[int], k: int) -> dict[int, list[int]]:
+    """The tokens each constrained row's grammar forces next (:meth:`GrammarState.forced_tokens`),
+    by row index; those rows ask their draft for nothing (``asks`` zeroed in place)."""
+    forced = {}
+    for i, r in enumerate(rows):
+        if r.grammar is not None and not r.finished and r.proposer is not None:  # the target alone proposes nothing
+            tokens = r.grammar.forced_tokens(min(k, r.stop.remaining - 1))
+            if tokens:
+                forced[i], asks[i] = tokens, 0
+    return forced
+
+
+def constrain(rows: list, proposals: list[Proposal], forced: dict[int, list[int]], k: int) -> list[Proposal]:
+    """Constrained rows propose what their grammar forces (continued by a greedy row's free
+    lookups from the text the forced tokens complete), or their draft's proposals cut where the
+    grammar forbids (:meth:`GrammarState.propose`)."""
+    for i, r in enumerate(rows):
+        if r.grammar is None or r.finished:
+            continue
+        tokens = forced.get(i, [])
+        if tokens:
+            proposals[i] = _continue_forced(r, tokens, k)
+        proposals[i] = r.grammar.propose(proposals[i], tokens, not r.params.greedy and proposals[i].probs is not None)
+    return proposals
+
+
+def _continue_forced(r, forced: list[int], k: int) -> Proposal:
+    """What a greedy request's free lookups draft after its ``forced`` tokens (nothing for a
+    sampled one, or when its proposer has no lookups): the tokens the forced ones lead to."""
+    room = min(k, r.stop.remaining - 1) - len(forced)
+    if room <= 0 or not r.params.greedy or not r.proposer.free_drafts:
+        return Proposal(drafter="grammar")
+    ahead = DraftInput(r.ids + forced, room, r.params, r.generator, r.draft_state, tenant=r.tenant)
+    try:
+        return trim(r.proposer.propose_free([ahead])[0], room)
+    except Exception:  # drafts are advice
+        logging.getLogger("onlinespec.engine").exception("proposer %s failed a lookup; the forced tokens go alone", r.proposer.name)
+        return Proposal(drafter="grammar")
