@@ -118,7 +118,7 @@ def main() -> None:
             print(f"{path.name:32s} {mode:7s} alone {a['tokens'] / a['seconds']:6.1f} tok/s  spec {s['tokens'] / s['seconds']:6.1f} tok/s  "
                   f"forced {s['forced']:3d}  {row['checks']}  identical {row['identical']}", flush=True)
     summary = summarise(rows, refused, len(files))
-    summary["forced_bound"] = forced_bound(rows, schema_files(args.schemas), target.tokenizer, alone.eos_token_ids,
+    summary["forced_bound"] = forced_bound(rows, files, target.tokenizer, alone.eos_token_ids,
                                            options["cost_curve"].seconds[(1, 64)], 4)
     summary.update(command="python bench/structured.py " + " ".join(sys.argv[1:]), machine=machine_info(),
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -135,8 +135,8 @@ def forced_bound(rows: list[dict], files: list[Path], tokenizer, eos, curve: lis
     from onlinespec.decoding.grammar import Constraint, compile_constraint
 
     by_name = {path.name: path for path in files}
-    steps = spent = forced = 0.0
-    runs = []
+    steps = spent = 0.0
+    tokens, runs = 0, []
     for row in (r for r in rows if r["mode"] == "greedy"):
         matcher = compile_constraint(Constraint.json_schema(json.loads(by_name[row["schema"]].read_text())), tokenizer, eos)
         ids, i = row["alone"]["ids"], 0
@@ -147,11 +147,11 @@ def forced_bound(rows: list[dict], files: list[Path], tokenizer, eos, curve: lis
             for token in ids[i: i + n + 1]:
                 matcher.consume_token(token)
             spent += curve[min(n, len(curve) - 1)]
-            forced += n
             runs += [n] if n else []
             i += n + 1
         steps += len(ids) * curve[0]
-    return {"greedy_tokens": sum(len(r["alone"]["ids"]) for r in rows if r["mode"] == "greedy"), "forced_tokens": int(forced),
+        tokens += len(ids)
+    return {"greedy_tokens": tokens, "forced_tokens": sum(runs),
             "forced_runs": len(runs), "mean_run": sum(runs) / len(runs) if runs else 0.0, "curve_ms": [round(c * 1000, 2) for c in curve],
             "speedup_bound": steps / spent if spent else 1.0}
 

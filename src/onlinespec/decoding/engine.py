@@ -215,7 +215,6 @@ class SpeculativeEngine:
             paced = share is not None and share[0] <= 0
             if share is not None:
                 room = min(room, self._paced_room(r, rest) if paced else max(share[0], self.k + 1))
-            tick = time.perf_counter()
             if rest <= room:
                 joining.append(r)
                 spent = rest
@@ -225,8 +224,8 @@ class SpeculativeEngine:
                 self._prefill(r, r.ids[r.prefilled: r.prefilled + room], report)
                 filling.append(r)
                 spent = room
-                if paced:
-                    r.prefill_credit -= time.perf_counter() - tick
+                if paced:  # what the chunk's forward took (_prefill measured it)
+                    r.prefill_credit -= room * r.prefill_rate
             else:
                 filling.append(r)
                 continue
