@@ -5,10 +5,13 @@ step here, where its fp32 copy in PyTorch moves about 540 MB. This runner calls 
 through llama-cpp-python's ctypes bindings (``docs/backends.md`` says why that binding):
 
 - one context for the engine, one sequence id per request (``n_seq_max`` = the engine's batch),
-  each sequence with a KV cache of its own (``kv_unified = false``: a request's results never
+  each sequence with a KV cache of its own (:data:`KV_UNIFIED` off: a request's results never
   depend on where another's cells sit, and attention never runs over other requests' cells);
 - ``forward`` is ONE ``llama_decode`` over every running request's block, each token with its
-  request's sequence id and position (continuous batching, no padding: llama.cpp needs none);
+  request's sequence id and position (continuous batching, no padding: llama.cpp needs none).
+  llama.cpp computes a run of consecutive sequence ids as one graph, so a request takes the
+  lowest free id and the blocks go to llama.cpp in id order (rows in the engine's order, ids as
+  requests came and went, had run a graph per row: ``bench/batch_cost.py``);
 - ``commit`` removes each request's rejected positions with ``llama_memory_seq_rm`` (checked: it
   fails on caches that cannot drop a partial sequence, e.g. recurrent models);
 - the context has embeddings on with no pooling, so one decode returns both the logits and the
@@ -28,6 +31,7 @@ request's room, and a new request takes a free sequence, or the least recently u
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 from dataclasses import dataclass
@@ -49,6 +53,14 @@ MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context may have
 # on 14 of 30 (docs/engine.md, "Attention at long contexts"). On, a row's attention is its own,
 # and a Q4_1 file's rows are computed alike at every width.
 FLASH_ATTENTION = "auto"
+# A KV cache stream per sequence (false), or one cache for all (true). With streams llama.cpp splits
+# a batch into micro-batches of consecutive sequence ids with the same number of tokens each, one
+# graph each (hence forward's id order). Unified runs every batch as one graph, but a row's
+# attention then sums its cells in the order they sit among the others' (flash attention keeps
+# partial sums in f16): greedy output at 4 in flight left the target alone's on 5 of 12 prompts
+# (near-ties) where streams leave it on at most 1, and it served no faster here (docs/engine.md,
+# "One graph a step"). bench/batch_cost.py measures both.
+KV_UNIFIED = False
 
 
 class LlamaCppError(RuntimeError):
@@ -137,7 +149,7 @@ class LlamaCppRunner:
         params.n_threads = params.n_threads_batch = self.threads
         params.embeddings = True
         params.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
-        params.kv_unified = False
+        params.kv_unified = KV_UNIFIED
         params.flash_attn_type = getattr(lib, f"LLAMA_FLASH_ATTN_TYPE_{FLASH_ATTENTION.upper()}")
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
@@ -150,7 +162,7 @@ class LlamaCppRunner:
         self._length: dict[int, int] = {}  # id(request) -> positions in its cache
         self._tokens: dict[int, list[int]] = {}  # id(request) -> the tokens its cache holds, in order
         self._held: dict[int, object] = {}  # id(request) -> request
-        self._free = list(range(self.sequences - 1, -1, -1))
+        self._free = list(range(self.sequences))  # a heap: a request takes the lowest free id (_acquire)
         self._last: list[int] = []  # the last forward's block sizes (rewind)
         self._embeddings = True  # the context's embeddings switch (see _decode)
         if self.prefix_cache is not None:  # its cells count in the process's memory budget (onlinespec.memory)
@@ -211,7 +223,7 @@ class LlamaCppRunner:
             return False
         self._acquire(request)
         key = id(request)
-        # sequences have streams of their own (kv_unified off): llama.cpp copies a whole stream, then the copy is cut
+        # sequences have streams of their own (KV_UNIFIED off): llama.cpp copies a whole stream, then the copy is cut
         self._lib.llama_memory_seq_cp(self._memory, self._seq[id(donor)], self._seq[key], -1, -1)
         self._length[key], self._tokens[key] = self._length[id(donor)], list(self._tokens[id(donor)])
         self._trim(request, length)
@@ -251,16 +263,19 @@ class LlamaCppRunner:
     def forward(self, blocks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len(blocks) != len(self._rows):
             raise ValueError(f"one block per row: {len(blocks)} blocks for {len(self._rows)} rows")
-        entries = [(self._seq[id(r)], self._length[id(r)], block) for r, block in zip(self._rows, blocks)]
         sizes = [len(block) for block in blocks]
         if sum(sizes) > self.n_batch:
             raise LlamaCppError(f"a step of {sum(sizes)} tokens exceeds llama.cpp's batch of {self.n_batch}")
-        logits, hidden = self._decode([(seq, pos, block, len(block)) for seq, pos, block in entries])
+        # in sequence-id order: llama.cpp runs each run of consecutive ids as one graph (KV_UNIFIED)
+        order = sorted(range(len(blocks)), key=lambda i: self._seq[id(self._rows[i])])
+        rows = [self._rows[i] for i in order]
+        logits, hidden = self._decode([(self._seq[id(r)], self._length[id(r)], blocks[i], sizes[i]) for r, i in zip(rows, order)])
+        placed = dict(zip(order, zip(logits.split([sizes[i] for i in order]), hidden.split([sizes[i] for i in order]))))
         for r, block in zip(self._rows, blocks):
             self._length[id(r)] += len(block)
             self._tokens[id(r)].extend(block)
         self._last = sizes
-        return list(logits.split(sizes)), list(hidden.split(sizes))
+        return [placed[i][0] for i in range(len(blocks))], [placed[i][1] for i in range(len(blocks))]
 
     def commit(self, kept: list[int]) -> None:
         for r, size, n in zip(self._rows, self._last, kept):
@@ -292,7 +307,7 @@ class LlamaCppRunner:
     def reset(self) -> None:
         self._lib.llama_memory_clear(self._memory, True)
         self._rows, self._seq, self._length, self._tokens, self._held = [], {}, {}, {}, {}
-        self._free = list(range(self.sequences - 1, -1, -1))
+        self._free = list(range(self.sequences))
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
@@ -304,7 +319,7 @@ class LlamaCppRunner:
             return
         if not self._make_free():
             raise LlamaCppError(f"all {self.max_rows} llama.cpp sequences are in use: the engine ran more requests than its batch")
-        self._seq[key], self._length[key], self._tokens[key], self._held[key] = self._free.pop(), 0, [], request
+        self._seq[key], self._length[key], self._tokens[key], self._held[key] = heapq.heappop(self._free), 0, [], request
 
     def _make_free(self, keep: object = None) -> bool:
         """Whether a sequence is free, evicting the least recently used cache entry (not ``keep``) if need be."""
@@ -316,7 +331,7 @@ class LlamaCppRunner:
 
     def _clear(self, seq: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)  # a whole sequence: never fails
-        self._free.append(seq)
+        heapq.heappush(self._free, seq)
 
     def _extend(self, request: object, tokens: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Append ``tokens`` to one request's cache, in pieces of at most ``n_batch`` (the outputs
