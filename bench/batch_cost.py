@@ -1,14 +1,16 @@
 """What one batched forward of the engine's llama.cpp runner costs, by the batch's shape, with a KV
-stream per sequence (``kv_unified`` off) and with one unified KV cache (on, the runner's setting).
+stream per sequence (``kv_unified`` off, the runner's setting) and with one unified KV cache.
 
-Eight requests hold 100 cached tokens each; each forward is one ``llama_decode`` (the runner's
+Nine requests hold 100 cached tokens each; each forward is one ``llama_decode`` (the runner's
 ``_decode``) over ``n`` of them (every row's logits, as verification asks), dropped again after. Shapes:
-``n`` rows of one token (a target alone's step at ``n`` in flight), rows of five tokens (k = 4
-verification), and mixed widths. The batch holds the rows in sequence-id order (0, 1, 2, ...; the
-runner's ``forward`` sorts them so) or in reverse order (as the engine's rows stood once requests
-had come and gone, before that sort). With a stream per sequence llama.cpp splits a batch into micro-batches of
-consecutive sequence ids holding the same number of tokens each, one graph per micro-batch. The
-three settings are interleaved shape by shape, ``--rounds`` times (this machine's speed drifts).
+``n`` rows of one token (a target alone's step at ``n`` in flight), eight rows whose ids leave
+one out (a request prefilling, or a prefix-cache entry, among the running ones), rows of five
+tokens (k = 4 verification), and mixed widths. The batch holds the rows in sequence-id order
+(0, 1, 2, ...; the runner's ``forward`` sorts them so) or in reverse order (as the engine's rows
+stood once requests had come and gone, before that sort). With a stream per sequence llama.cpp
+splits a batch into micro-batches of consecutive sequence ids holding the same number of tokens
+each, one graph per micro-batch. The three settings are interleaved shape by shape, ``--rounds``
+times (this machine's speed drifts).
 
     python bench/batch_cost.py --out docs/results/batch_cost.json
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
-SHAPES = {"1 x 1": [1], "2 x 1": [1] * 2, "4 x 1": [1] * 4, "8 x 1": [1] * 8,
+SHAPES = {"1 x 1": [1], "2 x 1": [1] * 2, "4 x 1": [1] * 4, "8 x 1": [1] * 8, "8 x 1, id 4 left out": [1] * 8,
           "1 x 5": [5], "4 x 5": [5] * 4, "5,1,1,1": [5, 1, 1, 1], "8 mixed (5,1)": [5, 1] * 4}
 SETTINGS = {"streams, ids in order": (False, False), "streams, ids reversed": (False, True), "unified, ids reversed": (True, True)}
 CACHED = 100
@@ -39,15 +41,16 @@ def measure(model, unified: bool, reverse: bool, reps: int) -> dict[str, float]:
     from onlinespec.decoding.runners import llamacpp
 
     llamacpp.KV_UNIFIED = unified  # the runner reads it as it makes its context
-    runner = llamacpp.LlamaCppRunner(model, max_rows=8, context=1024)
-    requests = [_Request() for _ in range(8)]
+    runner = llamacpp.LlamaCppRunner(model, max_rows=9, context=1024)
+    requests = [_Request() for _ in range(9)]
     for i, request in enumerate(requests):
         runner.prefill(request, [1000 + (7 * i + j) % 500 for j in range(CACHED)])
         runner.join(request, CACHED)
     ids = [runner._seq[id(r)] for r in requests]
     ms = {}
     for name, widths in SHAPES.items():
-        seqs = ids[:len(widths)][::-1] if reverse else ids[:len(widths)]  # the batch's order
+        seqs = ids[:4] + ids[5:9] if "left out" in name else ids[:len(widths)]  # a sequence not in the step (prefilling, a cache entry)
+        seqs = seqs[::-1] if reverse else seqs  # the batch's order
         entries = [(seq, CACHED, [7 + j for j in range(w)], w) for seq, w in zip(seqs, widths)]
         times = []
         for _ in range(reps):
