@@ -142,6 +142,31 @@ def test_commit_keeps_only_the_accepted_positions(target):
     assert torch.nn.functional.cosine_similarity(hidden[0][-1], expected_hidden[-1], dim=0) > 0.999
 
 
+def test_rows_out_of_sequence_order_get_their_own_outputs(target):
+    """The runner hands llama.cpp a step's blocks in sequence-id order (one graph, not one per
+    row): each row still gets its own logits back, whatever order the engine's rows are in, and
+    a request that arrives after others left takes the lowest free sequence."""
+    texts = ["The capital of France is", "def add(a, b):", "Twelve times three is"]
+    prompts = [target.tokenizer(text).input_ids for text in texts]
+    runner, rows = target.runner(3), [object(), object(), object()]
+    for row, prompt in zip(rows, prompts):
+        runner.forward_alone(row, prompt, 1)
+    runner.release(rows[:1])  # the first to arrive leaves; a new one takes its sequence, id 0
+    rows[0] = object()
+    runner.forward_alone(rows[0], prompts[0], 1)
+    order = [2, 0, 1]  # the engine's rows: not in sequence-id order
+    for i in order:
+        runner.join(rows[i], len(prompts[i]))
+    blocks = {0: [11, 12], 1: [13], 2: [14, 15, 16]}
+    logits, _ = runner.forward([blocks[i] for i in order])
+    for got, i in zip(logits, order):
+        alone, row = target.runner(1), object()
+        expected, _ = alone.forward_alone(row, prompts[i] + blocks[i], len(blocks[i]))
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=0.05), (texts[i], float((got - expected).abs().max()))
+    assert runner._seq[id(rows[0])] == 0
+
+
 def test_sequences_are_released_and_bounded(target):
     runner = target.runner(2)
     rows = [object(), object()]
