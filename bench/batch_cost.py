@@ -60,7 +60,6 @@ def measure(model, unified: bool, reverse: bool, reps: int) -> dict[str, float]:
             for seq in seqs:  # drop the block again
                 runner._lib.llama_memory_seq_rm(runner._memory, seq, CACHED, -1)
         ms[name] = statistics.median(times) * 1000
-    runner._rows = list(requests)
     runner.release(requests)
     return ms
 

@@ -12,10 +12,11 @@ the same GGUF file and the same held-out requests, through the real `openai` cli
   computes what the others do. Needs `pip install 'llama-cpp-python[server]'`.
 
 Streamed, greedy, 48 new tokens at most. Each level sends its own ``--n`` requests (the same to
-every server), and each of ``--rounds`` rounds new ones, so no server sees a prompt twice. Every server is started first and stays up; each level
-then runs on every server in turn, the server that goes first rotating with the level
-(`harness.interleave`), so that the machine's drift falls on all alike. Tokens are counted the
-same way for every server, by tokenizing the text it streamed with the target's tokenizer.
+every server), and each of ``--rounds`` rounds new ones, so no server sees a prompt twice. Every
+server is started first and stays up; each level then runs on every server in turn, the server
+that goes first rotating with the level (`harness.interleave`), so that the machine's drift falls
+on all alike. Tokens are counted the same way for every server, by tokenizing the text it streamed
+with the target's tokenizer.
 
     python bench/serve_vs_llamacpp.py --n 48 --levels 1,4,8
     python bench/serve_vs_llamacpp.py --servers onlinespec,llama-server --levels 1,4,8
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -65,7 +67,7 @@ def measure(names: list[str], levels: list[int], queries, warm_up, args) -> dict
     ``warm_up`` a few others."""
     runs: dict = {name: {n: [] for n in levels} for name in names}
     with contextlib.ExitStack() as stack:
-        urls = {name: start(name, stack, args.work, max(levels), max(len(q) for rounds in queries for q in rounds.values()), args.max_tokens) for name in names}
+        urls = {name: start(name, stack, args.work, max(levels), args.n, args.max_tokens) for name in names}
         clients = {name: harness.client(url) for name, url in urls.items()}
         models = {name: c.models.list().data[0].id for name, c in clients.items()}
         extras = {name: {"repeat_penalty": 1.0} if name in BASELINES else None for name in names}  # what the others compute
@@ -84,8 +86,6 @@ def measure(names: list[str], levels: list[int], queries, warm_up, args) -> dict
 def merged(rounds: list[dict]) -> dict:
     """One level's rounds as one: counts and walls summed (tokens/s over all of them), each
     percentile the median of the rounds', every round's own figures kept under "rounds"."""
-    import statistics
-
     total = {key: sum(r[key] for r in rounds) for key in ("requests", "errors", "wall_s", "tokens")}
     total.update(tokens_per_s=total["tokens"] / total["wall_s"], requests_per_s=(total["requests"] - total["errors"]) / total["wall_s"],
                  error_examples=[e for r in rounds for e in r["error_examples"]][:3],

@@ -268,14 +268,14 @@ class LlamaCppRunner:
             raise LlamaCppError(f"a step of {sum(sizes)} tokens exceeds llama.cpp's batch of {self.n_batch}")
         # in sequence-id order: llama.cpp runs each run of consecutive ids as one graph (KV_UNIFIED)
         order = sorted(range(len(blocks)), key=lambda i: self._seq[id(self._rows[i])])
-        rows = [self._rows[i] for i in order]
-        logits, hidden = self._decode([(self._seq[id(r)], self._length[id(r)], blocks[i], sizes[i]) for r, i in zip(rows, order)])
-        placed = dict(zip(order, zip(logits.split([sizes[i] for i in order]), hidden.split([sizes[i] for i in order]))))
+        logits, hidden = self._decode([(self._seq[id(self._rows[i])], self._length[id(self._rows[i])], blocks[i], sizes[i]) for i in order])
+        logits, hidden = logits.split([sizes[i] for i in order]), hidden.split([sizes[i] for i in order])
+        back = sorted(range(len(order)), key=order.__getitem__)  # each row's place in the decoded batch
         for r, block in zip(self._rows, blocks):
             self._length[id(r)] += len(block)
             self._tokens[id(r)].extend(block)
         self._last = sizes
-        return [placed[i][0] for i in range(len(blocks))], [placed[i][1] for i in range(len(blocks))]
+        return [logits[j] for j in back], [hidden[j] for j in back]
 
     def commit(self, kept: list[int]) -> None:
         for r, size, n in zip(self._rows, self._last, kept):
