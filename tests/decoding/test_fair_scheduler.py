@@ -242,6 +242,32 @@ def test_a_tenant_ahead_of_another_prefills_a_rows_time_a_step_while_the_other_d
     assert b.stop.generated == _decoder(tiny_target).generate(prompt, params).token_ids
 
 
+def test_a_tenant_held_at_its_share_of_the_slots_never_paces_another_tenants_prompt(tiny_target):
+    """Issue 46 (the abuse benchmark): tenant B's 16-choice requests hold B at its share of the
+    slots, so B's charge lags whatever it asks; tenant A's prompts ran past B's charge at once and
+    were paced to a row's block a step, and A's time to first token was 10x its time alone. Now a
+    tenant held at its share with choices waiting paces no one: A's prompt prefills a chunk a step,
+    as alone, and B, held, prefills its own texts a row's block at a time."""
+    decoder = _decoder(tiny_target, chunk=16)
+    scheduler = FairScheduler(decoder.engine, max_batch=4)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    b = [scheduler.submit(decoder.request([3, 4, 5], params), tenant="B", group="b") for _ in range(8)]
+    for _ in range(3):
+        scheduler.step()
+    prompt = [1, 2, 3, 4, 5] * 40  # 200 tokens: 13 chunks of 16
+    a = scheduler.submit(decoder.request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True)), tenant="A", group="a")
+    steps, reports = 0, []
+    while not a.stop.generated:
+        reports.append(scheduler.step()[1])
+        steps += 1
+        assert steps <= 20, "A's prompt was paced behind B's charge"
+    assert steps <= len(prompt) // 16 + 1  # a chunk a step, as alone (before: 5 chunks, then 4 tokens a step)
+    assert scheduler.served["A"] > scheduler.served["B"] + 64  # A is ahead: the old rule would have paced it
+    assert sum(r in scheduler.running for r in b) == 3 and scheduler.preempted == 1
+    scheduler.run()
+    assert a.stop.generated == _decoder(tiny_target).generate(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True)).token_ids
+
+
 def _reference_next(scheduler: FairScheduler, whose: dict[RequestState, tuple]) -> RequestState:
     """The choice to admit by a plain scan of every waiting one (as the scheduler did before its
     queue became heaps, issue 50): of the tenants under their share (any under their cap when none

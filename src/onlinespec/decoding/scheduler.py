@@ -17,11 +17,13 @@ Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Sche
   work than slots), slots turn over in time slices of ``quantum`` new tokens, to the least charged
   tenant.
 * within a **step**: the engine spends its prefill budget on the running choices of the least
-  charged tenant first (a tenant's own in order of admission), and each tenant prefills at most
-  up to ``PREFILL_SLACK`` tokens past the least charged other running tenant's charge
-  (``RequestState.prefill_share``; a choice one row's block, k + 1 tokens, at least): another
-  tenant's long prompt, or its preempted choices' texts, run a few tokens a step as the others
-  are served, and never make their steps seconds long.
+  charged tenant first (a tenant's own in order of admission). A tenant held at its share of the
+  slots with choices waiting prefills a row's block a step on credit while a tenant within its
+  share runs; between the others, each prefills at most up to ``PREFILL_SLACK`` tokens past the
+  least charged other's charge (``RequestState.prefill_share``, :meth:`_prefill_shares`; a choice
+  one row's block, k + 1 tokens, at least): another tenant's long prompt, or its preempted
+  choices' texts, run a few tokens a step as the others are served, and never make their steps
+  seconds long.
 * within a tenant, between **requests** (a ``group``: the ``n`` choices of one HTTP request
   share one): lower ``priority`` first (vLLM's field), then the request with the fewest tokens
   served, then first come. A 16-choice request is 16 units of work, each choice a slot.
@@ -270,11 +272,7 @@ class FairScheduler:
             entries = [self._entries[id(r)] for r in self.running]
             ranked = sorted(zip(self.running, entries), key=lambda p: self._charge(p[1].tenant))
             active = [r for r, _ in ranked]
-            # each tenant prefills up to PREFILL_SLACK tokens past the least charged other running tenant a step:
-            # its long prompts and preempted texts never make the others' steps long (issue 46)
-            charges = {e.tenant: self._charge(e.tenant) for e in entries}
-            shares = {t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * self._weight(t)))]
-                      for t, c in charges.items() if len(charges) > 1}
+            shares = self._prefill_shares({e.tenant for e in entries})
             for r, e in ranked:
                 r.prefill_share = shares.get(e.tenant)
         if not active:
@@ -338,6 +336,35 @@ class FairScheduler:
             if best_key is None or key < best_key:
                 best, best_key = e.request, key
         return best
+
+    def _prefill_shares(self, tenants: set[str]) -> dict[str, list[int]]:
+        """What each of the running ``tenants`` may prefill this step (absent: the step's whole
+        budget; [0]: a row's block on credit, ``RequestState.prefill_share``), so that one tenant's
+        long prompts and preempted texts never make the others' steps long (issue 46):
+
+        * a tenant **held at its share of the slots** with choices waiting is paced whenever a
+          tenant within its share runs beside it: it already has its share of the batch's rows,
+          and a prompt token costs the others' steps what a row does;
+        * between the others, each prefills up to ``PREFILL_SLACK`` tokens past the least
+          charged of them.
+
+        A held tenant's charge never paces a tenant within its share: it lags because the slots
+        hold it back, not because it was refused the prefill, and a tenant within its share that
+        is paced to it only makes every step slower for both (the abuse benchmark: tenant A's
+        prompts prefilled a few tokens a step behind tenant B's 16-choice requests,
+        docs/reliability.md)."""
+        if len(tenants) < 2:
+            return {}
+        held = {t for t in tenants if self._queues[t].waiting} - self._starved_tenants()
+        within = tenants - held
+        if not within:  # every running tenant is held (more tenants than slots): their charges decide
+            held, within = set(), tenants
+        charges = {t: self._charge(t) for t in within}
+        shares = {t: [0] for t in held}
+        if len(charges) > 1:
+            shares.update({t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * self._weight(t)))]
+                           for t, c in charges.items()})
+        return shares
 
     def _starved_tenants(self) -> set[str]:
         """The tenants with a choice waiting that hold fewer slots than their share (rounded down,
