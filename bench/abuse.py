@@ -1,7 +1,8 @@
 """The abuse benchmark (issue 46, "Must show"): two tenants with their own API keys on one
 `onlinespec serve` (127.0.0.1 only, the packaged default target and draft). Tenant A's
 well-behaved clients stream chat requests; tenant B's clients send the worst valid requests we
-can write, round-robin:
+can write, each client the engine's kinds round-robin on one connection and the transport's on
+another, at once:
 
 * 16 choices, `ignore_eos`, no `max_tokens` (each runs to `--default-max-tokens` or the context),
   with 16 stop strings of 1,000 characters each;
@@ -136,8 +137,26 @@ def trickle(url: str, seconds: float) -> str:
             return f"closed ({type(err).__name__})"
 
 
+ENGINE_KINDS = ("n16", "echo4k")  # what the engine serves (a request can hold it for minutes)
+
+
 def tenant_b(server_url: str, model: str, deadline: float, record: Record, seed: int, kinds: tuple[str, ...] = B_KINDS) -> None:
-    """An abusive client: the worst valid requests (``kinds`` of them), round-robin, until the deadline."""
+    """An abusive client: the worst valid requests (``kinds`` of them) until the deadline, on two
+    connections at once: the engine's kinds round-robin on one, the transport's (trickled bodies,
+    header floods) round-robin on the other. One 16-choice request or one paced 4k-token scored
+    prompt can take the whole run, and a client that waited for it would never trickle or flood."""
+    engine, transport = [k for k in kinds if k in ENGINE_KINDS], [k for k in kinds if k not in ENGINE_KINDS]
+    side = threading.Thread(target=_b_loop, args=(server_url, model, deadline, record, seed, transport), daemon=True)
+    if transport:
+        side.start()
+    if engine:
+        _b_loop(server_url, model, deadline, record, seed, engine)
+    if transport:
+        side.join(max(0.0, deadline - time.monotonic() + 90))
+
+
+def _b_loop(server_url: str, model: str, deadline: float, record: Record, seed: int, kinds: list[str]) -> None:
+    """One of a B client's connections: ``kinds`` round-robin (from the ``seed``-th) until the deadline."""
     import httpx
 
     headers = {"Authorization": f"Bearer {KEYS['B']}"}
