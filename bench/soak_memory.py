@@ -42,8 +42,8 @@ def main() -> None:
     summary["memory_within_tolerance"] = summary["memory_max_deviation_after_warm"] <= TOLERANCE if warmed else None
     summary["passed"] = bool(warmed and summary["memory_within_tolerance"] and summary["memory_accounted_under_budget"])
     path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1))
+    soak.harness.write_result(path, summary)  # with the command, the machine and the date (the plot's title reads it)
+    summary = json.loads(path.read_text())
     soak.plot(summary, path.with_suffix(".png"))
     print(json.dumps({k: summary[k] for k in ("memory_max_deviation_after_warm", "memory_accounted_peak_bytes", "memory_budget_bytes",
                                              "memory_evictions", "memory_accounted_under_budget", "memory_within_tolerance", "passed")}, indent=1))
