@@ -20,7 +20,7 @@ Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Sche
   charged tenant first (a tenant's own in order of admission). A tenant held at its share of the
   slots with choices waiting prefills a row's block a step on credit while a tenant within its
   share runs; between the others, each prefills at most up to ``PREFILL_SLACK`` tokens past the
-  least charged other's charge (``RequestState.prefill_share``, :meth:`_prefill_shares`; a choice
+  least charged other's charge (``RequestState.prefill_share``, :func:`prefill_shares`; a choice
   one row's block, k + 1 tokens, at least): another tenant's long prompt, or its preempted
   choices' texts, run a few tokens a step as the others are served, and never make their steps
   seconds long.
@@ -44,6 +44,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from onlinespec.decoding.engine import SpeculativeEngine, StepReport
@@ -272,7 +273,9 @@ class FairScheduler:
             entries = [self._entries[id(r)] for r in self.running]
             ranked = sorted(zip(self.running, entries), key=lambda p: self._charge(p[1].tenant))
             active = [r for r, _ in ranked]
-            shares = self._prefill_shares({e.tenant for e in entries})
+            tenants = {e.tenant for e in entries}
+            held = {t for t in tenants if self._queues[t].waiting} - self._starved_tenants()  # at their share, work waiting
+            shares = prefill_shares(tenants, held, self._charge, self._weight)
             for r, e in ranked:
                 r.prefill_share = shares.get(e.tenant)
         if not active:
@@ -336,35 +339,6 @@ class FairScheduler:
             if best_key is None or key < best_key:
                 best, best_key = e.request, key
         return best
-
-    def _prefill_shares(self, tenants: set[str]) -> dict[str, list[int]]:
-        """What each of the running ``tenants`` may prefill this step (absent: the step's whole
-        budget; [0]: a row's block on credit, ``RequestState.prefill_share``), so that one tenant's
-        long prompts and preempted texts never make the others' steps long (issue 46):
-
-        * a tenant **held at its share of the slots** with choices waiting is paced whenever a
-          tenant within its share runs beside it: it already has its share of the batch's rows,
-          and a prompt token costs the others' steps what a row does;
-        * between the others, each prefills up to ``PREFILL_SLACK`` tokens past the least
-          charged of them.
-
-        A held tenant's charge never paces a tenant within its share: it lags because the slots
-        hold it back, not because it was refused the prefill, and a tenant within its share that
-        is paced to it only makes every step slower for both (the abuse benchmark: tenant A's
-        prompts prefilled a few tokens a step behind tenant B's 16-choice requests,
-        docs/reliability.md)."""
-        if len(tenants) < 2:
-            return {}
-        held = {t for t in tenants if self._queues[t].waiting} - self._starved_tenants()
-        within = tenants - held
-        if not within:  # every running tenant is held (more tenants than slots): their charges decide
-            held, within = set(), tenants
-        charges = {t: self._charge(t) for t in within}
-        shares = {t: [0] for t in held}
-        if len(charges) > 1:
-            shares.update({t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * self._weight(t)))]
-                           for t, c in charges.items()})
-        return shares
 
     def _starved_tenants(self) -> set[str]:
         """The tenants with a choice waiting that hold fewer slots than their share (rounded down,
@@ -479,6 +453,34 @@ class FairScheduler:
         """Each tenant with work's share of the slots: ``max_batch`` x its weight over the total."""
         total = sum(self._weight(t) for t in self._queues) or 1.0
         return {t: self.max_batch * self._weight(t) / total for t in self._queues}
+
+
+def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], float], weight: Callable[[str], float]) -> dict[str, list[int]]:
+    """What each of the running ``tenants`` may prefill this step (absent: the step's whole
+    budget; [0]: a row's block on credit, ``RequestState.prefill_share``), so that one tenant's
+    long prompts and preempted texts never make the others' steps long (issue 46). ``held``: the
+    tenants at their share of the slots with choices waiting; ``charge(t)``: a tenant's tokens
+    served over its weight; ``weight(t)``: its weight.
+
+    * a **held** tenant is paced whenever a tenant within its share runs beside it: it already
+      has its share of the batch's rows, and a prompt token costs the others' steps what a row does;
+    * between the others, each prefills up to ``PREFILL_SLACK`` tokens past the least charged of them.
+
+    A held tenant's charge never paces a tenant within its share: it lags because the slots hold
+    it back, not because it was refused the prefill, and a tenant within its share paced to it
+    only makes every step slower for both (the abuse benchmark: tenant A's prompts prefilled a
+    few tokens a step behind tenant B's 16-choice requests, docs/reliability.md)."""
+    if len(tenants) < 2:
+        return {}
+    within = tenants - held
+    if not within:  # every running tenant is held (more tenants than slots): their charges decide
+        held, within = set(), tenants
+    charges = {t: charge(t) for t in within}
+    shares = {t: [0] for t in held}
+    if len(charges) > 1:
+        shares.update({t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * weight(t)))]
+                       for t, c in charges.items()})
+    return shares
 
 
 Scheduler = FairScheduler  # the name before issue 46 (a first-come queue), kept: one scheduler, one policy
