@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # bench/harness.py: results with their command and machine
 import soak  # bench/soak.py: the traffic, the sampler, the plot
 
 TOLERANCE = 0.10  # resident memory from minute 5 on, against minute 5's
@@ -42,7 +43,7 @@ def main() -> None:
     summary["memory_within_tolerance"] = summary["memory_max_deviation_after_warm"] <= TOLERANCE if warmed else None
     summary["passed"] = bool(warmed and summary["memory_within_tolerance"] and summary["memory_accounted_under_budget"])
     path = Path(args.json)
-    soak.harness.write_result(path, summary)  # with the command, the machine and the date (the plot's title reads it)
+    harness.write_result(path, summary)  # with the command, the machine and the date (the plot's title reads it)
     summary = json.loads(path.read_text())
     soak.plot(summary, path.with_suffix(".png"))
     print(json.dumps({k: summary[k] for k in ("memory_max_deviation_after_warm", "memory_accounted_peak_bytes", "memory_budget_bytes",

@@ -247,7 +247,7 @@ def test_a_tenant_held_at_its_share_of_the_slots_never_paces_another_tenants_pro
     slots, so B's charge lags whatever it asks; tenant A's prompts ran past B's charge at once and
     were paced to a row's block a step, and A's time to first token was 10x its time alone. Now a
     tenant held at its share with choices waiting paces no one: A's prompt prefills a chunk a step,
-    as alone, and B, held, prefills its own texts a row's block at a time."""
+    as alone."""
     decoder = _decoder(tiny_target, chunk=16)
     scheduler = FairScheduler(decoder.engine, max_batch=4)
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
@@ -256,9 +256,9 @@ def test_a_tenant_held_at_its_share_of_the_slots_never_paces_another_tenants_pro
         scheduler.step()
     prompt = [1, 2, 3, 4, 5] * 40  # 200 tokens: 13 chunks of 16
     a = scheduler.submit(decoder.request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True)), tenant="A", group="a")
-    steps, reports = 0, []
+    steps = 0
     while not a.stop.generated:
-        reports.append(scheduler.step()[1])
+        scheduler.step()
         steps += 1
         assert steps <= 20, "A's prompt was paced behind B's charge"
     assert steps <= len(prompt) // 16 + 1  # a chunk a step, as alone (before: 5 chunks, then 4 tokens a step)
