@@ -237,3 +237,35 @@ def test_a_served_head_drafts_with_int8_matrices_and_the_learner_trains_the_floa
     proposer.swap_model(trained, "v1")
     proposer.take_swap()
     assert proposer.model is trained and proposer.head is not served and proposer.head.served_out is not None
+    from onlinespec.memory import tensors_bytes
+
+    int8 = proposer.head.blocks[0].gate_up.weight().numel()  # one of the copy's own int8 matrices (a byte each)
+    assert tensors_bytes(proposer.memory_objects()) >= tensors_bytes([trained]) + int8, "the memory budget counts the int8 copy"
+
+
+def test_a_version_loaded_into_a_clone_shares_its_rows_and_never_changes_the_heads_ids():
+    """What the learner loads (the acceptance floor's starting draft, a restart, a rollback) is a
+    clone of the serving head holding another version's weights. Of the same vocabulary, it shares
+    the serving head's output rows instead of holding its own (issue 46's memory soak: one copy per
+    learning draft for the whole run); of another vocabulary, it gets rows of its own and the
+    serving head keeps its ids and rows (a load copies ids in place: they were shared once)."""
+    from onlinespec.decoding.feature_head import FeatureHeadConfig
+    from onlinespec.weights import load_weights
+
+    torch.manual_seed(0)
+    hidden, vocab = 64, 512
+    embedding, out = torch.randn(vocab, hidden), torch.randn(vocab, hidden)
+    head = FeatureHead(FeatureHeadConfig(hidden_size=hidden, vocab_size=vocab), embedding, torch.arange(128), out).eval()
+    same = head.clone()
+    same.fuse.weight.data.normal_()  # another version's body
+    loaded = head.clone()
+    load_weights(loaded, same.state_dict(), "a version")
+    assert loaded.out_rows.data_ptr() == head.out_rows.data_ptr(), "the same vocabulary: the rows are shared"
+    assert torch.equal(loaded.fuse.weight, same.fuse.weight) and not torch.equal(loaded.fuse.weight, head.fuse.weight)
+
+    other = head.clone()
+    other.choose_vocab(torch.arange(128, 256))
+    loaded = head.clone()
+    load_weights(loaded, other.state_dict(), "a version of another vocabulary")
+    assert torch.equal(loaded.vocab_ids, torch.arange(128, 256)) and torch.equal(loaded.out_rows, out[128:256])
+    assert torch.equal(head.vocab_ids, torch.arange(128)) and torch.equal(head.out_rows, out[:128]), "the serving head is untouched"

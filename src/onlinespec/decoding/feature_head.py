@@ -104,17 +104,24 @@ class FeatureHead(nn.Module):
         self.register_buffer("out_rows", torch.empty(0), persistent=False)
         self.register_buffer("restricted_index", torch.empty(0, dtype=torch.long), persistent=False)
         self.served_out: nn.Module | None = None  # int8 output rows, on a served copy only (:func:`served_copy`)
+        self._tied_ids = torch.empty(0, dtype=torch.long)  # the ids ``out_rows`` were derived from
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Derive the output rows and the full-id -> restricted-index map from ``vocab_ids`` (after
-        a construction, a load of saved weights, or :meth:`choose_vocab`)."""
+        a construction, a load of saved weights, or :meth:`choose_vocab`). Rows already derived
+        from the same ids are kept: a version loaded into a clone (a restart, the acceptance
+        floor's starting draft) shares them with the head it was cloned from, as candidates do,
+        instead of holding its own (8,192 x 576 floats here, 151,936 wide on a 1.5B target)."""
         vocab_ids = self.vocab_ids
+        if self.out_rows.numel() and torch.equal(self._tied_ids, vocab_ids.detach().cpu()):
+            return
         self.out_rows = self.out_weight[vocab_ids.to(self.out_weight.device)].to(self.fuse.weight.device, self.fuse.weight.dtype)
         index = torch.full((self.out_weight.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
         index[vocab_ids] = torch.arange(len(vocab_ids), device=vocab_ids.device)
         self.restricted_index = index  # -1: not in the restricted vocabulary
         self.served_out = None  # int8 rows of an older vocabulary would be stale
+        self._tied_ids = vocab_ids.detach().cpu().clone()
 
     def choose_vocab(self, vocab_ids: torch.Tensor) -> None:
         """Serve a new restricted vocabulary of the same size (the body is vocabulary-blind)."""
@@ -143,8 +150,10 @@ class FeatureHead(nn.Module):
         return feature @ self.out_rows.T
 
     def clone(self) -> FeatureHead:
-        """A trainable copy that shares the frozen target tensors (embedding, output rows)."""
-        shared = (self.embedding, self.out_weight, self.out_rows, self.restricted_index, self.vocab_ids)
+        """A trainable copy that shares the frozen target tensors (embedding, output rows). Its
+        ``vocab_ids`` are its own: loading weights copies them in place, and a load into the copy
+        must never change the ids of the head it came from."""
+        shared = (self.embedding, self.out_weight, self.out_rows, self.restricted_index)
         return copy.deepcopy(self, {id(t): t for t in shared})
 
     # ---- construction, saving, loading ----------------------------------------------------

@@ -32,7 +32,7 @@ class AcceptanceFloor:
     def __init__(self, learnable: LearnableDraft, publisher: Publisher, measure: Callable) -> None:
         """``measure(model, records)``: the gate's replayed figures of ``model`` on ``records``."""
         self.learnable, self.publisher, self.measure = learnable, publisher, measure
-        self._static: tuple[str, object] | None = None  # (version, model): the starting draft, loaded once
+        self.static: str | None = None  # the starting draft's version, as the last judgement found it
 
     def static_version(self) -> str | None:
         """The starting draft: the registry's first version, if it is a root (its parent None)."""
@@ -52,9 +52,10 @@ class AcceptanceFloor:
         version = self.static_version()
         if version is None or version == serving_version:
             return None
-        if self._static is None or self._static[0] != version:
-            self._static = (version, self.publisher.load(version))
-        static = self.measure(self._static[1], held_out)
+        # loaded for this judgement and let go after it: kept, it would hold a body (and, before heads
+        # shared their output rows, the rows too) per learning draft for the whole run (issue 46's memory soak)
+        self.static = version
+        static = self.measure(self.publisher.load(version), held_out)
         error = paired_error(static, before)
         below = before[figure] + Z * error < static[figure]
         return {"static_version": version, "static": static[figure], "serving": before[figure],
@@ -62,6 +63,6 @@ class AcceptanceFloor:
 
     def serve_static(self) -> str:
         """Serve the starting draft again, from the next step on; its version."""
-        version = self._static[0]
+        version = self.static
         self.publisher.serve(self.publisher.load(version), version)  # a copy of its own: candidates train from it
         return version

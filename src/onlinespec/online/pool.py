@@ -86,18 +86,20 @@ Draft = ServedDraft  # the name before issue 50
 
 
 def track_draft_memory(draft: ServedDraft) -> memory.DraftMemory:
-    """Count ``draft`` (its served model, its learner's candidate and optimizer state) against the
-    process's memory budget while it is in memory (the budget holds it weakly: it leaves with the draft)."""
+    """Count ``draft`` (its served model and the copies it drafts with, its learner's newest model
+    and optimizer state) against the process's memory budget while it is in memory (the budget
+    holds it weakly: it leaves with the draft)."""
     ref = weakref.ref(draft)  # no cycle: the draft leaves memory when the pool lets it go
 
     def objects() -> list:
         d = ref()
         if d is None:
             return []
-        learner = d.learner
+        learner, proposer = d.learner, d.proposer
+        held = proposer.memory_objects() if hasattr(proposer, "memory_objects") else [getattr(proposer, "model", None)]
         if learner is None:
-            return [getattr(d.proposer, "model", None)]
-        return [getattr(d.proposer, "model", None), learner.publisher.latest[0], learner.updater.trainer.optimizer_state]
+            return held
+        return [*held, learner.publisher.latest[0], learner.updater.trainer.optimizer_state]
     holder = memory.DraftMemory(draft.name, objects)
     memory.budget().register(holder)
     return holder

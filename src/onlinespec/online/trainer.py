@@ -50,6 +50,7 @@ class CandidateTrainer:
             tick[0] = self.budget.step_done(tick[0])
 
         run_steps(candidate, optimizer, objective.step, batches, stop=self.cancel.is_set, after_step=after_step)
+        optimizer.zero_grad(set_to_none=True)  # the candidate serves next: its gradients would stay with it, a body's size per draft
         return None if self.cancel.is_set() else (candidate, optimizer, n, steps)
 
     def carry(self, optimizer) -> None:

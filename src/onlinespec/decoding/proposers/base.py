@@ -129,3 +129,8 @@ class SwappableDraft(Proposer):
     def take_swap(self) -> bool:
         """Serve the model handed over last, if any (the engine calls this between steps)."""
         return self.slot.take()
+
+    def memory_objects(self) -> list:
+        """What this proposer holds in memory, for the memory budget (:mod:`onlinespec.memory`):
+        the serving model; a proposer that serves a copy of it adds the copy."""
+        return [self.slot.model]

@@ -50,6 +50,11 @@ class FeatureHeadProposer(SwappableDraft):
         self._prepared = (head.eval(), served_copy(head))
         super().swap_model(head, version)
 
+    def memory_objects(self) -> list:
+        """The float head and its int8 serving copies (their packed matrices are in their state dicts)."""
+        copies = {id(pair[1]): pair[1] for pair in (self._served, self._prepared) if pair is not None}
+        return [self.slot.model, *(served.state_dict() for served in copies.values())]
+
     def start(self, prompt_ids: list[int]) -> HeadState:
         return HeadState()
 

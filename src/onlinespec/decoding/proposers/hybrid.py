@@ -58,6 +58,9 @@ class HybridProposer(SwappableDraft):
     def swap_model(self, model, version: str) -> None:
         self.learned.swap_model(model, version)
 
+    def memory_objects(self) -> list:
+        return self.learned.memory_objects()
+
     def start(self, prompt_ids: list[int]):
         return self.learned.start(prompt_ids)
 
