@@ -166,11 +166,12 @@ def _prompt_result(query: Query, outputs: dict, params: SamplingParams, target: 
 
 
 @torch.inference_mode()
-def divergence_gap(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int]) -> float:
+def divergence_gap(target: LoadedModel, prompt_ids: list[int], a: list[int], b: list[int], runner=None) -> float:
     """The gap between the target's two best logits where greedy outputs ``a`` and ``b`` first
-    differ, as its own backend computes them (one forward alone)."""
+    differ, as its own backend computes them (one forward alone; ``runner``: a batch-of-one runner
+    of ``target`` to reuse, else one is made: on llama.cpp a context each)."""
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    runner, row = target.runner(1), object()
+    runner, row = runner or target.runner(1), object()
     logits, _ = runner.forward_alone(row, prompt_ids + a[:at], 1)
     runner.release([row])
     top = logits[-1].topk(2).values

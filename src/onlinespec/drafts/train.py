@@ -27,7 +27,10 @@ from onlinespec.distill.losses import SparseTeacher, distill_loss
 from onlinespec.distill.signal import Signal
 from onlinespec.distill.step import DistillConfig, optimizer_step
 
-METRICS_CHUNK = 1024  # held-out positions scored at once by head_metrics (a bounded peak)
+# held-out positions scored at once by head_metrics (a bounded peak): a chunk's logits and the loss's
+# temporaries over it were about 130 MB at 1,024 on the packaged head (8,192 ids), the largest part
+# of an update's peak in the memory soak (docs/reliability.md); 256 holds about 33 MB
+METRICS_CHUNK = 256
 HYBRID_REPLAY = {"k": 4, "ngram": (3, 2)}  # the hybrid proposer as served (HybridProposer's n-gram bounds), replayed
 _ABSENT = -1e4  # a log-probability that is exactly 0 after exp, and keeps 0 * log 0 finite
 
