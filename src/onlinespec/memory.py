@@ -189,13 +189,22 @@ class MemoryBudget:
                 log.exception("the memory budget's event could not be written")
 
 
+class OwnBytes(int):
+    """A size its holder measured once itself, counted as it is by :func:`tensors_bytes`: an int8
+    serving copy's packed matrices, which are no parameters and which torch unpacks (a copy) to
+    show (:func:`onlinespec.decoding.feature_head.served_copy`)."""
+
+
 def tensors_bytes(objects) -> int:
     """Bytes of the distinct tensors in ``objects``: torch modules (parameters and buffers),
-    tensors, and dicts or lists of them (an optimizer's state), each storage counted once."""
+    tensors, and dicts or lists of them (an optimizer's state), each storage counted once; and
+    :class:`OwnBytes` as they are."""
     seen, total, stack = set(), 0, list(objects)
     while stack:
         item = stack.pop()
-        if hasattr(item, "parameters") and hasattr(item, "buffers"):
+        if isinstance(item, OwnBytes):
+            total += int(item)
+        elif hasattr(item, "parameters") and hasattr(item, "buffers"):
             stack.extend([*item.parameters(), *item.buffers()])
         elif isinstance(item, dict):
             stack.extend(item.values())

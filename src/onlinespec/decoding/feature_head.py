@@ -277,6 +277,11 @@ def served_copy(head: FeatureHead) -> FeatureHead:
             quantize_dynamic(served, {name: per_channel_dynamic_qconfig for name in large}, dtype=torch.qint8, inplace=True)
         if out.weight.numel() >= SERVED_INT8_FROM:
             served.served_out = quantize_dynamic(nn.Sequential(out), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    # the int8 matrices' bytes, measured once here: they are not parameters, and torch unpacks
+    # them (a copy each time) to show them (the memory budget's count, onlinespec.memory.OwnBytes)
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    served.packed_bytes = sum(m.weight().element_size() * m.weight().numel() for m in served.modules() if isinstance(m, Int8Linear))
     return served
 
 

@@ -18,6 +18,7 @@ from onlinespec.decoding.feature_head import FeatureHead, served_copy
 from onlinespec.decoding.proposal import DraftInput, Proposal
 from onlinespec.decoding.proposers.base import ModelSlot, SwappableDraft
 from onlinespec.decoding.sampling import logits_to_probs, sample
+from onlinespec.memory import OwnBytes
 
 
 @dataclass
@@ -51,9 +52,11 @@ class FeatureHeadProposer(SwappableDraft):
         super().swap_model(head, version)
 
     def memory_objects(self) -> list:
-        """The float head and its int8 serving copies (their packed matrices are in their state dicts)."""
-        copies = {id(pair[1]): pair[1] for pair in (self._served, self._prepared) if pair is not None}
-        return [self.slot.model, *(served.state_dict() for served in copies.values())]
+        """The float head and its int8 serving copies: their own float tensors, and their packed
+        int8 matrices as :func:`served_copy` measured them (never unpacked here: this runs each
+        time /metrics is read)."""
+        copies = [served for served in {id(p[1]): p[1] for p in (self._served, self._prepared) if p is not None}.values()]
+        return [self.slot.model, *copies, *(OwnBytes(getattr(served, "packed_bytes", 0)) for served in copies)]
 
     def start(self, prompt_ids: list[int]) -> HeadState:
         return HeadState()
