@@ -281,7 +281,7 @@ def served_copy(head: FeatureHead) -> FeatureHead:
     # them (a copy each time) to show them (the memory budget's count, onlinespec.memory.OwnBytes)
     from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
 
-    served.packed_bytes = sum(m.weight().element_size() * m.weight().numel() for m in served.modules() if isinstance(m, Int8Linear))
+    served.packed_bytes = sum(w.element_size() * w.numel() for w in (m.weight() for m in served.modules() if isinstance(m, Int8Linear)))
     return served
 
 

@@ -55,7 +55,7 @@ class FeatureHeadProposer(SwappableDraft):
         """The float head and its int8 serving copies: their own float tensors, and their packed
         int8 matrices as :func:`served_copy` measured them (never unpacked here: this runs each
         time /metrics is read)."""
-        copies = [served for served in {id(p[1]): p[1] for p in (self._served, self._prepared) if p is not None}.values()]
+        copies = list({id(p[1]): p[1] for p in (self._served, self._prepared) if p is not None}.values())
         return [self.slot.model, *copies, *(OwnBytes(getattr(served, "packed_bytes", 0)) for served in copies)]
 
     def start(self, prompt_ids: list[int]) -> HeadState:
