@@ -17,6 +17,8 @@ maths prompts in turn, the first 20), greedy:
 
     python bench/tool_calls.py                      # 20 prompts (~5 min on 2 cores)
     python bench/tool_calls.py --n 5 --out runs/tool_calls.json
+    # a target whose chat template has its own tool format (hermes: `make qwen-target` prints its path)
+    python bench/tool_calls.py --out docs/results/tool_calls_qwen1.5b.json --server-args --target QWEN.gguf
 
 Writes JSON (docs/results/tool_calls.json by default); docs/serve.md quotes it.
 """
@@ -120,10 +122,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "tool_calls.json")
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                        help="more `onlinespec serve` flags, e.g. --target <a GGUF whose template has a tool format>")
     args = parser.parse_args()
     queries = prompts(args.n)
     rows = []
-    with harness.serve_onlinespec(["--out-dir", str(harness.RUNS / "tool_calls" / "run"), "--static"]) as url:
+    with harness.serve_onlinespec(["--out-dir", str(harness.RUNS / "tool_calls" / "run"), "--static", *args.server_args]) as url:
         api = harness.client(url)
         model = api.models.list().data[0].id
         for i, query in enumerate(queries):
@@ -132,7 +136,7 @@ def main() -> None:
             print(f"[{i + 1}/{len(queries)}] {r['domain']:5} required valid {r['required']['all_valid']}  named valid {r['named']['all_valid']}"
                   f"  auto called {r['auto']['called']}  continued {r.get('continued', {}).get('ok')}", flush=True)
     summary = summarize(rows)
-    harness.write_result(args.out, {"summary": summary, "max_tokens": MAX_TOKENS, "tools": TOOLS, "rows": rows})
+    harness.write_result(args.out, {"summary": summary, "max_tokens": MAX_TOKENS, "tools": TOOLS, "server_args": args.server_args, "rows": rows})
     print(json.dumps(summary, indent=2))
 
 

@@ -25,6 +25,7 @@ from onlinespec.factory import DEFAULT_DRAFT
 from onlinespec.safety import command_line, private_files
 from onlinespec.serve.config import CoreConfig, model_name
 from onlinespec.serve.logs import LogSettings
+from onlinespec.serve.tools import parser_name
 from onlinespec.serve.web import ServerSettings
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="cap a request's context (prompt + output) at this many tokens; longer requests are refused (default: the model's context)")] = None,
     chat_template: Annotated[Optional[str], typer.Option(help="the chat template /v1/chat/completions renders messages with: a Jinja file, or the template itself "
                                                              "(default: the tokenizer's own; a base model may have none)")] = None,
+    tool_call_parser: Annotated[str, typer.Option(help="tool calls' format: hermes (Qwen2.5, Hermes), generic, or auto (hermes where the template writes <tool_call>)")] = "auto",
+    enable_auto_tool_choice: Annotated[bool, typer.Option(help="accepted for vLLM's command lines: tool_choice auto is always served")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info (request and access lines), warning or error")] = "info",
     log_format: Annotated[str, typer.Option(help="json (one object a line: ts, level, logger, msg and the fields) or text")] = "json",
     max_body_bytes: Annotated[int, typer.Option(min=1, help="larger request bodies are refused with 413")] = ServerSettings.max_body_bytes,
@@ -83,13 +86,13 @@ def serve(
     core = user_errors(lambda: replace(core, static_baseline=static_baseline, fresh_baseline=fresh_baseline, log_text=log_text))
     settings = _server_settings(core.model_name, names, (api_key, api_key_file), (admin_key, admin_key_file), tenant_header=tenant_header,
                                 max_body_bytes=max_body_bytes, drain_seconds=drain_seconds, body_timeout=body_timeout,
-                                max_connections=max_connections, keep_alive_timeout=keep_alive_timeout, refusal_rate=refusal_rate)
+                                max_connections=max_connections, keep_alive_timeout=keep_alive_timeout, refusal_rate=refusal_rate, tool_call_parser=user_errors(lambda: parser_name(tool_call_parser)))
     logs = user_errors(lambda: LogSettings(log_level, log_format))
     if scale is not None:  # the replicas log as the front does
         scale = replace(scale, logs=logs)
     private_files()
-    where = f", {replicas} replicas on Ray" if scale else ""
-    console.print(f"onlinespec: serving {core.model_name!r} (draft {core.draft}{where}) on http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
+    console.print(f"onlinespec: serving {core.model_name!r} (draft {core.draft}{f', {replicas} replicas on Ray' if scale else ''}) on "
+                  f"http://{host}:{port}/v1; loading (GET /ready answers 200 when done)")
     user_errors(lambda: run_server(_core_factory(core, out_dir, scale), host, port, settings, logs))
 
 

@@ -24,6 +24,7 @@ from onlinespec.serve.interface import Core
 from onlinespec.serve.protocol import ChatRequest, CompletionRequest, parse
 from onlinespec.serve.shapes import Shape, TokenText
 from onlinespec.serve.structured import check
+from onlinespec.serve.tools import tool_format
 from onlinespec.serve.web import Access, ServerSettings, error_response, read_body
 
 POLL_DISCONNECT = 0.5  # seconds between checks that a waiting (non-streaming) client is still there
@@ -61,7 +62,8 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     if body.model not in settings.names:
         raise NotFound(f"model {shown(body.model)} is not served here: use {' or '.join(map(repr, settings.names))} (GET /v1/models)",
                        param="model", code="model_not_found")
-    prompts = [body.prompt()] if chat else body.prompts()
+    tools = tool_format(getattr(core.tokenizer, "chat_template", None), settings.tool_call_parser)
+    prompts = [body.use_tools(tools).prompt()] if chat else body.prompts()
     body.choices(len(prompts))
     params = body.sampling()
     await asyncio.to_thread(check, params.constraint, core.tokenizer, getattr(core, "eos", ()))  # a bad grammar: 400 before any work
@@ -90,7 +92,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     role, echoed = body.reply() if chat else ("assistant", "")
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name,
                   TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n,
-                  role=role, echoed=echoed, tools=_offered(body) if chat else None)
+                  role=role, echoed=echoed, tools=_offered(body) if chat else None, tool_format=tools)
     headers = {"X-Request-Id": request_id}
     ignored = body.ignored_fields()
     if ignored:  # unknown fields that change nothing: said, not silently dropped

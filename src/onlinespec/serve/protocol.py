@@ -17,7 +17,8 @@ How a prompt is rendered (vLLM's ``add_generation_prompt``, ``continue_final_mes
 puts the last message's content before the answer when the answer continues that message's
 role (as vLLM). Structured output (``response_format``, vLLM's ``guided_*`` and
 ``structured_outputs``, llama-server's ``grammar`` / ``json_schema``) and tool calls (``tools``,
-``tool_choice``, ``role: "tool"`` messages): :mod:`onlinespec.serve.structured`.
+``tool_choice``, ``role: "tool"`` messages), in the chat template's own format where it has one:
+:mod:`onlinespec.serve.tools`.
 
 Unknown fields: a near miss of a known one (``"Train": false``, ``"max_token"``) is a 400 that
 names the field meant, so a misspelt opt-out is never trained on; any other unknown field is
@@ -29,13 +30,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from onlinespec.decoding.sampling import MAX_LOGPROBS, SamplingParams
 from onlinespec.safety import near_miss, shown
 from onlinespec.serve.handles import ServeError, Unprocessable
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options
-from onlinespec.serve.structured import STRUCTURED_FIELDS, call_text, chosen_tools, constraint_of, tool_constraint, tool_functions, tool_messages
+from onlinespec.serve.structured import STRUCTURED_FIELDS, constraint_of
+from onlinespec.serve.tools import GENERIC, ToolFormat, chosen_tools, tool_functions
 
 MAX_STOP = 16  # stop sequences per request (OpenAI allows 4, vLLM any number; lm-eval tasks send up to 6 or so)
 MAX_STOP_CHARS = 1000  # characters per stop sequence
@@ -171,14 +173,12 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls (written back in the generic format)
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (written back in the tool format's form)
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
-    def as_dict(self) -> dict:
+    def as_dict(self, tools: ToolFormat = GENERIC) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
-        if self.tool_calls:
-            content = ((content or "") + "\n" + call_text(self.tool_calls)).strip()
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return tools.message("system" if self.role == "developer" else self.role, content or "", self.tool_calls)
 
 
 class ChatRequest(_Common):
@@ -188,12 +188,19 @@ class ChatRequest(_Common):
     top_logprobs: Logprobs | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True  # several calls in one answer, where the tool format has them (onlinespec.serve.tools)
     # vLLM's rendering options (onlinespec.serve.prompts) and its echo
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict | None = None  # checked by onlinespec.serve.prompts.check_template_kwargs
     echo: bool = False
+    _tools: ToolFormat = PrivateAttr(default=GENERIC)  # the chat template's tool format (the server's, by use_tools)
+
+    def use_tools(self, tools: ToolFormat) -> ChatRequest:
+        """Render and read tool calls in ``tools``' format (:func:`onlinespec.serve.tools.tool_format`)."""
+        self._tools = tools
+        return self
 
     def check_extras(self) -> None:
         """As :meth:`_Common.check_extras`, and ``max_completion_tokens`` (OpenAI's newer name)
@@ -212,18 +219,19 @@ class ChatRequest(_Common):
 
     def prompt(self) -> ChatPrompt:
         """The messages, with how to render them (:mod:`onlinespec.serve.prompts`)."""
-        messages = [m.as_dict() for m in self.messages]
+        messages = [m.as_dict(self._tools) for m in self.messages]
         mode, functions = self.tool_mode()
-        if mode != "none":
-            messages = tool_messages(messages, functions)
         check_chat_options(messages, self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        variables = dict(self.chat_template_kwargs or {})
+        if mode != "none":
+            messages, offered = self._tools.prompt(messages, functions)
+            variables.update(offered)
         if messages[-1]["role"] == "assistant" and self.add_generation_prompt:
             raise ServeError("the last message is the assistant's: end with a user (or system) message, or send "
                              "continue_final_message: true and add_generation_prompt: false to continue it", param="messages")
         if not any(m["content"].strip() for m in messages):
             raise ServeError("every message is empty: give the model something to answer", param="messages")
-        return ChatPrompt(messages, self.add_generation_prompt, self.continue_final_message, self.add_special_tokens,
-                          self.chat_template_kwargs)
+        return ChatPrompt(messages, self.add_generation_prompt, self.continue_final_message, self.add_special_tokens, variables)
 
     def tool_mode(self) -> tuple[str, list[dict]]:
         """(``none`` | ``auto`` | ``required``, the functions the answer may call): :mod:`onlinespec.serve.structured`."""
@@ -237,7 +245,7 @@ class ChatRequest(_Common):
         if constraint_of(self) is not None:
             raise ServeError("tool_choice required (or a named function) already constrains the output: drop the other constraint",
                              param="tool_choice")
-        return tool_constraint(functions)
+        return self._tools.constraint(functions, self.parallel_tool_calls)
 
     def reply(self) -> tuple[str, str]:
         """The answer's role and what comes before its text: vLLM's role is the assistant's, or
@@ -245,7 +253,7 @@ class ChatRequest(_Common):
         content first when its role is the answer's."""
         last = self.messages[-1]
         role = "assistant" if self.add_generation_prompt else last.role
-        return role, last.as_dict()["content"] if self.echo and last.role == role else ""
+        return role, last.as_dict(self._tools)["content"] if self.echo and last.role == role else ""
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from onlinespec.decoding.logprobs import TokenLogprob
 from onlinespec.serve.handles import Served
-from onlinespec.serve.structured import parse_tool_calls
+from onlinespec.serve.tools import GENERIC, ToolFormat
 
 
 class TokenText:
@@ -62,7 +62,8 @@ class Shape:
     n: int = 1  # choices per prompt (they come prompt by prompt)
     role: str = "assistant"  # chat: the answer's role (vLLM's: the last message's without add_generation_prompt)
     echoed: str = ""  # chat: what comes before each choice's text (vLLM's echo: the last message's content)
-    tools: list[dict] | None = None  # chat with tools the answer may call: its text is read as calls (onlinespec.serve.structured)
+    tools: list[dict] | None = None  # chat with tools the answer may call: its text is read as calls (onlinespec.serve.tools)
+    tool_format: ToolFormat = GENERIC  # how calls are written (the chat template's format)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -74,9 +75,10 @@ class Shape:
 
     def _choice(self, index: int, served: Served) -> dict:
         choice = {"index": index, "finish_reason": served.finish_reason, "logprobs": None}
-        calls = self.tool_calls(served)
-        if calls:
-            choice["message"] = {"role": self.role, "content": None, "tool_calls": calls}
+        called = self.tool_calls(served)
+        if called:
+            content, calls = called
+            choice["message"] = {"role": self.role, "content": content, "tool_calls": calls}
             choice["finish_reason"] = "tool_calls"
         elif self.chat:
             choice["message"] = {"role": self.role, "content": self.echoed + served.text}
@@ -108,11 +110,11 @@ class Shape:
             out["metrics"] = finish.metrics()
         return out
 
-    def tool_calls(self, served: Served) -> list[dict] | None:
-        """The calls a finished answer makes, when tools were offered and it ended by itself."""
+    def tool_calls(self, served: Served) -> tuple[str | None, list[dict]] | None:
+        """(its content, the calls) of a finished answer that makes calls, when tools were offered and it ended by itself."""
         if not self.chat or not self.tools or served.finish_reason != "stop":
             return None
-        return parse_tool_calls(served.text, self.tools)
+        return self.tool_format.parse(served.text, self.tools)
 
     def finish_chunks(self, index: int, served: Served) -> list[dict]:
         """A stream's last chunks of a choice. With tools, its text was held back (it may be a
@@ -120,10 +122,11 @@ class Shape:
         the text; then the finish reason."""
         if not self.tools:
             return [self.chunk(index, finish=served)]
-        calls = self.tool_calls(served)
-        if not calls:
+        called = self.tool_calls(served)
+        if not called:
             return [self.chunk(index, text=served.text), self.chunk(index, finish=served)] if served.text else [self.chunk(index, finish=served)]
-        chunks = []
+        content, calls = called
+        chunks = [self.chunk(index, text=content)] if content else []
         for i, call in enumerate(calls):
             head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
             chunks.append(self._delta(index, {"tool_calls": [head]}))

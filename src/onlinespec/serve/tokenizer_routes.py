@@ -3,7 +3,8 @@
 ``/tokenize`` takes ``{"model"?, "prompt"}`` (text; ``add_special_tokens``, default true) or
 ``{"model"?, "messages"}`` (a chat through the target's template; ``add_generation_prompt``,
 default true, ``continue_final_message``, ``add_special_tokens``, default false,
-``chat_template_kwargs``: :mod:`onlinespec.serve.prompts`), and answers
+``chat_template_kwargs``: :mod:`onlinespec.serve.prompts`; ``tools``, offered as a chat request
+offers them: :mod:`onlinespec.serve.tools`), and answers
 ``{"count", "max_model_len", "tokens"}`` (``token_strs`` too with ``return_token_strs``): with
 the defaults, the ids a completion or chat request with that prompt is served from.
 ``/detokenize`` takes ``{"model"?, "tokens"}`` and answers ``{"prompt"}``. Same keys and error
@@ -22,6 +23,7 @@ from onlinespec.serve.handles import ServeError, Unavailable
 from onlinespec.serve.interface import Core
 from onlinespec.serve.prompts import ChatPrompt, TextPrompt, check_chat_options, render
 from onlinespec.serve.protocol import Message, parse
+from onlinespec.serve.tools import ToolFormat, tool_format, tool_functions
 from onlinespec.serve.web import Access, ServerSettings, read_body
 
 
@@ -34,6 +36,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list | None = None  # with messages: offered in the server's tool format, as /v1/chat/completions offers them
     return_token_strs: bool = False
 
     def check_extras(self) -> None:
@@ -43,13 +46,19 @@ class TokenizeRequest(BaseModel):
             check_chat_options([m.as_dict() for m in self.messages], self.add_generation_prompt, self.continue_final_message,
                                self.chat_template_kwargs)
 
-    def rendered(self) -> ChatPrompt | TextPrompt:
+    def rendered(self, tools: ToolFormat) -> ChatPrompt | TextPrompt:
         """The prompt with the rendering options asked (vLLM's defaults: true for a prompt's
-        special tokens, false for messages')."""
+        special tokens, false for messages'), any ``tools`` offered in the format ``tools``."""
         if self.prompt is not None:
+            if self.tools:
+                raise ServeError("tools go with messages (a chat), not with a prompt", param="tools")
             return TextPrompt(self.prompt, self.add_special_tokens is not False)
-        return ChatPrompt([m.as_dict() for m in self.messages], self.add_generation_prompt, self.continue_final_message,
-                          bool(self.add_special_tokens), self.chat_template_kwargs)
+        messages, variables = [m.as_dict(tools) for m in self.messages], dict(self.chat_template_kwargs or {})
+        functions = tool_functions(self.tools)
+        if functions:
+            messages, offered = tools.prompt(messages, functions)
+            variables.update(offered)
+        return ChatPrompt(messages, self.add_generation_prompt, self.continue_final_message, bool(self.add_special_tokens), variables)
 
 
 class DetokenizeRequest(BaseModel):
@@ -87,7 +96,8 @@ def tokenizer_router(core: Core, settings: ServerSettings, access: Access) -> AP
     @router.post("/tokenize")
     async def tokenize(request: Request):
         body, tok = await read(request, TokenizeRequest)
-        ids = await asyncio.to_thread(render, tok, body.rendered())
+        prompt = body.rendered(tool_format(getattr(tok, "chat_template", None), settings.tool_call_parser))
+        ids = await asyncio.to_thread(render, tok, prompt)
         out = {"count": len(ids), "max_model_len": getattr(core, "context", None), "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)

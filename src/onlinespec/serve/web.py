@@ -32,6 +32,7 @@ class ServerSettings:
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     refusal_rate: float = 5.0  # a caller's 401 and 403 answers per second past a burst of 20; more wait (RefusalLimiter; 0: off)
     load_in_background: bool = True  # answer /health while the model loads
+    tool_call_parser: str = "auto"  # the format of tool calls (onlinespec.serve.tools: auto, generic or hermes)
 
     @property
     def names(self) -> tuple[str, ...]:
