@@ -46,3 +46,17 @@ def test_a_head_born_from_the_view_is_the_one_born_from_the_torch_model(view, de
     assert torch.equal(from_view.logits(from_view.step(feature, tokens)), from_torch.logits(from_torch.step(feature, tokens)))
     copy = from_view.clone()
     assert copy.embedding is from_view.embedding  # a trainable copy shares the rows, never copies them
+
+
+def test_rows_first_read_in_inference_mode_can_be_read_by_a_learner_outside_it():
+    """The engine drafts in inference mode, the learner trains outside it, and a fresh head on a
+    GGUF target reads the same tables: on the 1.5B target every update failed ("Inplace update to
+    inference tensor outside InferenceMode") once the engine had read a row first."""
+    from onlinespec.ggufview import load_gguf_view
+    from onlinespec.models import default_gguf_path
+
+    model, _ = load_gguf_view(default_gguf_path())  # a view of its own: its row cache starts empty
+    with torch.inference_mode():
+        served = model.embedding[torch.tensor([5, 300])]
+    learned = model.embedding[torch.tensor([5, 301, 4000])]  # new rows, read where training runs
+    assert torch.equal(learned[0], served[0]) and not learned.is_inference()

@@ -60,20 +60,23 @@ class QuantizedRows:
 
         Each row is dequantized once, on its first read, into a float32 cache of the table's
         shape whose memory is taken lazily (an untouched page is never resident): a head pays
-        memory only for the tokens it has read, and a repeated read is an index."""
+        memory only for the tokens it has read, and a repeated read is an index. The engine reads
+        rows in inference mode and the learner outside it: the cache is an ordinary tensor, so
+        that either may fill it (one made in inference mode refuses the other's writes)."""
         index = ids.detach().cpu() if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
-        flat = index.reshape(-1).long()
-        if self._cache is None:
-            self._cache = torch.empty(self.shape, dtype=torch.float32)  # large: malloc maps it, pages come on first touch
-            self._filled = torch.zeros(self.shape[0], dtype=torch.bool)
-        missing = torch.unique(flat[~self._filled[flat]])
-        if len(missing):
-            from gguf.quants import dequantize
+        with torch.inference_mode(False):
+            flat = index.reshape(-1).long()
+            if self._cache is None:
+                self._cache = torch.empty(self.shape, dtype=torch.float32)  # large: malloc maps it, pages come on first touch
+                self._filled = torch.zeros(self.shape[0], dtype=torch.bool)
+            missing = torch.unique(flat[~self._filled[flat]])
+            if len(missing):
+                from gguf.quants import dequantize
 
-            rows = dequantize(np.asarray(self._data[missing.numpy()]), self.qtype)
-            self._cache[missing] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-            self._filled[missing] = True
-        return self._cache[flat].reshape(*index.shape, self.shape[1])
+                rows = dequantize(np.asarray(self._data[missing.numpy()]), self.qtype)
+                self._cache[missing] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+                self._filled[missing] = True
+            return self._cache[flat].reshape(*index.shape, self.shape[1])
 
 class GGUFTarget(nn.Module):
     """The target's config, generation config and tables, with no decoder (llama.cpp runs it)."""

@@ -274,6 +274,7 @@ class OnlineLearner:
             self.updater.run(records, records_seen)
             self.consecutive_failures = 0
         except Exception as err:  # an update that fails publishes nothing and never stops serving
+            log.debug("draft %s: the update's traceback", self.registry.directory.name, exc_info=err)
             self._failed(f"{type(err).__name__}: {err}")
         finally:
             self.budget.give_turn_back()
