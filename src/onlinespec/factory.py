@@ -46,7 +46,7 @@ from onlinespec.decoding.proposers.ngram import NgramProposer
 from onlinespec.decoding.proposers.suffix import SuffixIndex, SuffixProposer
 from onlinespec.decoding.speculative import SpeculativeDecoder
 from onlinespec.drafts.heads import DEFAULT_HEAD, load_head
-from onlinespec.models import LoadedModel, cache_dir, load_draft, load_target, tokenizer_fingerprint
+from onlinespec.models import LoadedModel, cache_dir, check_same_tokenizer, load_draft, load_target, tokenizer_fingerprint
 from onlinespec.storage import atomic_write
 from onlinespec.tokens import eos_token_ids
 
@@ -87,8 +87,22 @@ def make_proposer(spec: str, target: LoadedModel, dtype: str | torch.dtype = "fl
         return DraftChoice(HybridProposer(proposer, suffix_index=SuffixIndex()) if kind == "hybrid" else proposer)
     if is_feature_head(spec):
         return DraftChoice(FeatureHeadProposer(load_head(spec, target), name=spec))
+    if spec.endswith(".gguf"):
+        return DraftChoice(llamacpp_draft(spec, target))
     draft = load_draft(spec, target, dtype)
     return DraftChoice(DraftModelProposer(draft.model, name=spec), draft)
+
+
+def llamacpp_draft(path: str, target: LoadedModel):
+    """A GGUF draft model run by llama.cpp beside a target served on llama.cpp, sharing its tokenizer."""
+    from onlinespec.decoding.proposers.llamacpp_draft import LlamaCppDraftProposer
+    from onlinespec.ggufview import load_gguf_view
+
+    if target.backend != "llama.cpp":
+        raise ValueError(f"draft {path!r} is a GGUF file: it drafts beside a target served on llama.cpp (a GGUF target), "
+                         f"not on {target.backend}")
+    check_same_tokenizer(target.tokenizer, load_gguf_view(Path(path).expanduser())[1], target.name, path)
+    return LlamaCppDraftProposer(Path(path).expanduser())
 
 
 def packaged_head_fits(target: LoadedModel) -> bool:

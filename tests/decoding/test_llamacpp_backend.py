@@ -71,6 +71,31 @@ def test_greedy_speculative_is_identical_on_llamacpp(target, prompts, reference,
         assert sum(o.stats.proposed for o in outputs) > 0
 
 
+def test_a_gguf_draft_model_drafts_beside_the_target_and_stays_lossless(target, prompts, reference):
+    """A draft model run by llama.cpp (here the target's own file: it should be accepted almost
+    always), its cache per request kept in step with what verification kept; 4 requests in flight
+    on 2 draft sequences, so that requests lose their draft cache and prefill it again."""
+    from onlinespec.decoding.proposers.llamacpp_draft import LlamaCppDraftProposer
+    from onlinespec.models import default_gguf_path
+
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    one = new_decoder(target, make_proposer(str(default_gguf_path()), target).proposer, 3)
+    outputs = [one.generate(p, params) for p in prompts[:6]]
+    check_identical(target, prompts[:6], reference[:6], outputs, "GGUF draft alone")
+    batched = new_decoder(target, LlamaCppDraftProposer(default_gguf_path(), max_rows=2), 3, max_batch=4)
+    outputs += batched.generate_many(prompts[6:], params)
+    check_identical(target, prompts[6:], reference[6:], outputs[6:], "GGUF draft, 4 in flight on 2 draft sequences")
+    proposed, accepted = sum(o.stats.proposed for o in outputs), sum(o.stats.accepted for o in outputs)
+    assert proposed > 0 and accepted / proposed > 0.8, (accepted, proposed)  # its own file: a draft cache out of step would not be
+
+
+def test_a_gguf_draft_needs_a_target_served_on_llamacpp(target, tiny_target_folder):
+    from onlinespec.models import default_gguf_path, load_model
+
+    with pytest.raises(ValueError, match="on llama.cpp"):
+        make_proposer(str(default_gguf_path()), load_model(str(tiny_target_folder)))
+
+
 @torch.inference_mode()
 def test_sampling_follows_llamacpp_target_distribution(target, chi_square):
     # 20 tokens: past MIN_SHARED_PREFILL, so most requests copy an earlier one's cells of the prompt

@@ -212,6 +212,10 @@ class LlamaCppRunner:
     def forward_alone(self, request: object, block: list[int], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._extend(request, block, keep)
 
+    def truncate(self, request: object, length: int) -> None:
+        """Keep the first ``length`` positions of ``request``'s cache (a draft's, after a verification)."""
+        self._trim(request, length)
+
     def join(self, request: object, length: int) -> None:
         self._trim(request, length)
         self._rows.append(request)
