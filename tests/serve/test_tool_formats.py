@@ -46,17 +46,38 @@ CALLED = [*ASK, {"role": "assistant", "content": None,
           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 
 
+def hermes_tokenizer(default_tokenizer, tags: bool = False):
+    """The packaged tokenizer with the hermes template (and, with ``tags``, ``<tool_call>`` and ``</tool_call>`` as tokens of their own)."""
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    if tags:
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    return tokenizer
+
+
 def test_the_format_follows_the_chat_template_unless_named(default_tokenizer):
-    assert tool_format(HERMES_TEMPLATE) is HERMES
-    assert tool_format(default_tokenizer.chat_template) is GENERIC  # the packaged model's template has no tool format
-    assert tool_format(HERMES_TEMPLATE, "generic") is GENERIC and tool_format(None, "hermes") is HERMES
+    assert tool_format(hermes_tokenizer(default_tokenizer)) == HERMES
+    assert tool_format(default_tokenizer) is GENERIC  # the packaged model's template has no tool format
+    assert tool_format(hermes_tokenizer(default_tokenizer), "generic") is GENERIC and tool_format(default_tokenizer, "hermes") == HERMES
     with pytest.raises(ValueError, match="auto, generic, hermes"):
-        tool_format(HERMES_TEMPLATE, "mistral")
+        tool_format(default_tokenizer, "mistral")
+
+
+def test_a_required_call_writes_the_tags_as_the_tokens_the_model_has_for_them(default_tokenizer):
+    """Qwen2.5's tokenizer has <tool_call> as one token (151657), and the model writes that token:
+    a grammar of the tag's text would force its characters instead, off the model's own path."""
+    from onlinespec.decoding.grammar import compile_constraint
+
+    tokenizer = hermes_tokenizer(default_tokenizer, tags=True)
+    tools = tool_format(tokenizer)
+    matcher = compile_constraint(tools.constraint([TOOLS[1]["function"]]), tokenizer, [tokenizer.eos_token_id])
+    written = tokenizer('<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>', add_special_tokens=False).input_ids
+    assert written[0] == tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert matcher.validate_tokens(written) == len(written)
 
 
 def test_tools_and_earlier_calls_are_rendered_by_a_hermes_template(default_tokenizer):
-    tokenizer = copy.copy(default_tokenizer)
-    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer = hermes_tokenizer(default_tokenizer)
     body = parse(json.dumps({"model": "m", "messages": CALLED, "tools": TOOLS}).encode(), ChatRequest)
     text = tokenizer.decode(render(tokenizer, body.use_tools(HERMES).prompt()))
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text

@@ -62,7 +62,7 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     if body.model not in settings.names:
         raise NotFound(f"model {shown(body.model)} is not served here: use {' or '.join(map(repr, settings.names))} (GET /v1/models)",
                        param="model", code="model_not_found")
-    tools = tool_format(getattr(core.tokenizer, "chat_template", None), settings.tool_call_parser)
+    tools = tool_format(core.tokenizer, settings.tool_call_parser)
     prompts = [body.use_tools(tools).prompt()] if chat else body.prompts()
     body.choices(len(prompts))
     params = body.sampling()

@@ -96,7 +96,7 @@ def tokenizer_router(core: Core, settings: ServerSettings, access: Access) -> AP
     @router.post("/tokenize")
     async def tokenize(request: Request):
         body, tok = await read(request, TokenizeRequest)
-        prompt = body.rendered(tool_format(getattr(tok, "chat_template", None), settings.tool_call_parser))
+        prompt = body.rendered(tool_format(tok, settings.tool_call_parser))
         ids = await asyncio.to_thread(render, tok, prompt)
         out = {"count": len(ids), "max_model_len": getattr(core, "context", None), "tokens": ids}
         if body.return_token_strs:

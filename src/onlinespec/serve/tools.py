@@ -147,9 +147,13 @@ class ToolFormat:
 
 @dataclass(frozen=True)
 class HermesTools(ToolFormat):
-    """Calls in ``<tool_call>`` blocks, tools rendered by the template (see the module docstring)."""
+    """Calls in ``<tool_call>`` blocks, tools rendered by the template (see the module docstring).
+    ``tags``: the grammar's terms for the opening and closing tags: the tokens themselves where the
+    tokenizer has them as single tokens (Qwen2.5's 151657 and 151658, as the model writes them),
+    else the text."""
 
     name: str = "hermes"
+    tags: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"')
 
     def prompt(self, messages: list[dict], functions: list[dict]) -> tuple[list[dict], dict]:
         return messages, {"tools": [{"type": "function", "function": f} for f in functions]}
@@ -164,7 +168,7 @@ class HermesTools(ToolFormat):
         schema = {**_call_schema(functions), "x-guidance": HERMES_JSON}
         more = ' ("\\n" block)*' if parallel else ""  # further calls, one block each
         grammar = (f"start: block{more}\n"
-                   'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
+                   f'block: {self.tags[0]} "\\n" call "\\n" {self.tags[1]}\n'
                    f"call: %json {json.dumps(schema)}\n")
         return replace(Constraint("grammar", grammar), source="tools")
 
@@ -193,10 +197,15 @@ def parser_name(parser: str) -> str:
     return parser
 
 
-def tool_format(chat_template: str | None, parser: str = "auto") -> ToolFormat:
-    """The format ``parser`` names; ``auto``: :data:`HERMES` for a template that renders ``tools``
-    and writes ``<tool_call>``, else :data:`GENERIC`."""
+def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
+    """The format ``parser`` names for ``tokenizer`` (its chat template and tags); ``auto``:
+    hermes for a template that renders ``tools`` and writes ``<tool_call>``, else :data:`GENERIC`."""
     if parser_name(parser) == "auto":
-        template = str(chat_template or "")  # a tokenizer may keep several named templates (a dict)
-        return HERMES if "<tool_call>" in template and re.search(r"\btools\b", template) else GENERIC
-    return HERMES if parser == "hermes" else GENERIC
+        template = str(getattr(tokenizer, "chat_template", None) or "")  # a tokenizer may keep several named templates (a dict)
+        parser = "hermes" if "<tool_call>" in template and re.search(r"\btools\b", template) else "generic"
+    if parser == "generic":
+        return GENERIC
+    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in ("<tool_call>", "</tool_call>")] if tokenizer is not None else []
+    if ids and all(isinstance(i, int) and i != tokenizer.unk_token_id for i in ids):
+        return HermesTools(tags=(f"<[{ids[0]}]>", f"<[{ids[1]}]>"))
+    return HERMES
