@@ -89,6 +89,16 @@ def test_a_gguf_draft_model_drafts_beside_the_target_and_stays_lossless(target, 
     assert proposed > 0 and accepted / proposed > 0.8, (accepted, proposed)  # its own file: a draft cache out of step would not be
 
 
+@torch.inference_mode()
+def test_weights_read_without_mapping_the_file_compute_the_same_logits(target):
+    from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner
+
+    prompt, row = target.tokenizer("def reverse(items):\n    return").input_ids, object()
+    read = LlamaCppRunner(LlamaCppModel.load(target.gguf, mmap=False), max_rows=1)  # llama.cpp's --no-mmap
+    mapped = target.runner(1)
+    assert torch.equal(read.forward_alone(row, prompt, 2)[0], mapped.forward_alone(row, prompt, 2)[0])
+
+
 def test_a_gguf_draft_needs_a_target_served_on_llamacpp(target, tiny_target_folder):
     from onlinespec.models import default_gguf_path, load_model
 

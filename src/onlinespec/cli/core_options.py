@@ -40,6 +40,8 @@ CORE_OPTIONS: dict[str, tuple] = {
                                                                          "(vllm:spec_decode_num_accepted_tokens / num_draft_tokens, or bench's); without it auto serves the file as it is")],
                             CoreConfig.expected_acceptance),
     "n_gpu_layers": (NglOpt, CoreConfig.n_gpu_layers),
+    "mmap": (Annotated[bool, typer.Option("--mmap/--no-mmap", help="llama.cpp: map the GGUF file (its pages count in resident memory, even those of "
+                                                                  "weights repacked into memory of their own), or read the weights (llama.cpp's --no-mmap)")], CoreConfig.mmap),
     "learn": (Annotated[bool, typer.Option("--learn/--static", help="update the drafts online, or keep them static")], CoreConfig.learn),
     "head_updates": (Annotated[bool, typer.Option("--head-updates/--no-head-updates", help="learning trains the learned draft too, or only the suffix index")], CoreConfig.head_updates),
     "update_interval": (Annotated[int, typer.Option(min=1, help="I: update a draft every I units")], LearnerConfig.update_interval),
@@ -113,7 +115,7 @@ def _core_config(o: dict) -> CoreConfig:
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"], floor=o["floor"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )
-    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
+    plain = {name: o[name] for name in ("target", "draft", "k", "dtype", "backend", "device", "target_format", "expected_acceptance", "n_gpu_layers", "mmap", "learn", "head_updates", "buffer_policy", "buffer_records", "router",
                                          "max_drafts", "adaptive_k", "kernels", "max_batch", "max_waiting", "max_domains", "shared_suffix", "speculation_details", "request_timeout",
                                          "retention_days", "max_buffer_bytes", "suffix_tokens", "memory_budget",
                                          "enable_prefix_caching", "prefix_cache_cells")}

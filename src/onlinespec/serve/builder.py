@@ -68,7 +68,7 @@ class CoreParts:
 def load_configured_target(config: CoreConfig) -> LoadedModel:
     """The target the config names, on the backend and device it names."""
     return load_target(config.target, config.dtype, config.backend, config.device, target_format=config.target_format,
-                       n_gpu_layers=config.n_gpu_layers, expected_acceptance=config.expected_acceptance)
+                       n_gpu_layers=config.n_gpu_layers, mmap=config.mmap, expected_acceptance=config.expected_acceptance)
 
 
 def build(config: CoreConfig, target: LoadedModel, out_dir: Path, metrics: ServeMetrics, hooks: CoreHooks,

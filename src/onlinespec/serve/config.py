@@ -29,6 +29,7 @@ class CoreConfig:
     target_format: str = "as-is"  # llama.cpp: the weight format served (onlinespec.formats: as-is, auto, q8_0, f16, ...)
     expected_acceptance: float | None = None  # target_format auto: the acceptance this deployment measured (None: as-is)
     n_gpu_layers: int = 0  # llama.cpp: layers a GPU build offloads (-ngl; -1: all)
+    mmap: bool = True  # llama.cpp: map the GGUF file (its pages count as resident) or read the weights into memory (--no-mmap)
     learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
     head_updates: bool = True  # learning trains the learned draft too (off: only the suffix index learns)
     buffer_policy: str = "window"
