@@ -82,7 +82,12 @@ def make_proposer(spec: str, target: LoadedModel, dtype: str | torch.dtype = "fl
         if not folder and not packaged_head_fits(target):  # another model: a head born from it learns from traffic
             log.info("the packaged head was trained for another target: %s starts with a fresh head (%s:fresh)", spec, kind)
             folder = FRESH
-        head = fresh_head(target) if folder == FRESH else load_head(folder or DEFAULT_HEAD, target)
+        if folder == FRESH:
+            head = fresh_head(target)
+        elif folder and (Path(folder) / "CURRENT").exists():
+            head = published_head(Path(folder), target)
+        else:
+            head = load_head(folder or DEFAULT_HEAD, target)
         proposer = FeatureHeadProposer(head, name=f"head:{folder or 'default'}")
         return DraftChoice(HybridProposer(proposer, suffix_index=SuffixIndex()) if kind == "hybrid" else proposer)
     if is_feature_head(spec):
@@ -103,6 +108,19 @@ def llamacpp_draft(path: str, target: LoadedModel):
                          f"not on {target.backend}")
     check_same_tokenizer(target.tokenizer, load_gguf_view(Path(path).expanduser())[1], target.name, path)
     return LlamaCppDraftProposer(Path(path).expanduser())
+
+
+def published_head(directory: Path, target: LoadedModel) -> FeatureHead:
+    """The version a server serves from its draft directory (``<out-dir>/drafts/<name>``, its
+    ``CURRENT``), loaded into the head such a server starts from: the packaged head where it fits
+    the target, else a fresh one (a draft learned from another start is a clear ValueError)."""
+    from onlinespec.online.registry import DraftRegistry
+    from onlinespec.weights import load_weights
+
+    registry = DraftRegistry(directory)
+    head = load_head(DEFAULT_HEAD, target) if packaged_head_fits(target) else fresh_head(target)
+    load_weights(head, registry.load(), f"{directory}'s version {registry.current()}")
+    return head
 
 
 def packaged_head_fits(target: LoadedModel) -> bool:

@@ -130,3 +130,21 @@ def test_a_fresh_baseline_needs_a_learning_head_draft_outside_content_routing():
             CoreConfig(fresh_baseline=True, **options)
     with pytest.raises(ValueError, match="give compare_every >= 1"):
         OnlineConfig(fresh=True)
+
+
+def test_a_draft_a_server_published_is_served_by_naming_its_directory(other_target, tmp_path):
+    """``--draft hybrid:<out-dir>/drafts/<name>``: the version the server serves (a benchmark of
+    what it learned, or another server starting from it), in the head it started from."""
+    from onlinespec.factory import fresh_head, make_proposer
+    from onlinespec.models import load_model
+    from onlinespec.online.registry import DraftRegistry
+
+    target = load_model(str(other_target))
+    learned = fresh_head(target)
+    with torch.no_grad():
+        learned.fuse.weight.add_(0.5)
+    learned.choose_vocab(torch.arange(len(learned.vocab_ids)).flip(0))
+    registry = DraftRegistry(tmp_path / "drafts" / "code")
+    registry.publish({k: v for k, v in learned.state_dict().items()}, {"note": "test"})
+    served = make_proposer(f"head:{registry.directory}", target).proposer.slot.model  # the float32 head it serves from
+    assert torch.equal(served.fuse.weight, learned.fuse.weight) and torch.equal(served.vocab_ids, learned.vocab_ids)

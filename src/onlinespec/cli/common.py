@@ -16,7 +16,7 @@ app.add_typer(drafts_app, name="drafts")
 console = Console(stderr=True)  # progress and messages
 out = Console(width=None if sys.stdout.isatty() else 160)  # results
 
-DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]' (HEAD 'fresh': a head born from the target, learning from traffic; the default for a target without a packaged head), 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file, or 'none'")]
+DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]' (HEAD 'fresh': a head born from the target, learning from traffic, the default for a target without a packaged head; a head folder; or a server's OUT_DIR/drafts/NAME: the version it serves), 'head[:HEAD]', 'ngram[:N]', 'target-layers:N', a head folder, a HF folder, a .gguf file (a draft model llama.cpp runs beside a .gguf target), or 'none'")]
 TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
 KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
 DtypeOpt = Annotated[str, typer.Option(help="torch backend: float32, bfloat16 or auto (bfloat16 on CUDA, else float32)")]
