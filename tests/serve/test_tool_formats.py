@@ -142,3 +142,17 @@ def test_a_required_call_is_served_in_the_templates_format(hermes_server):
             finish = delta.finish_reason or finish
     assert finish == "tool_calls" and names == ["get_time"]
     jsonschema.validate(json.loads(arguments), TIME)
+
+
+def test_parallel_tool_calls_false_answers_with_the_first_call_only():
+    from onlinespec.decoding.request import RequestStats
+    from onlinespec.serve.handles import Served
+    from onlinespec.serve.shapes import Shape
+
+    text = ('<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>')
+    served = Served("r", text, [], 1, "stop", RequestStats(), "d", None, [], "default", False, False)
+    functions = [t["function"] for t in TOOLS]
+    both = Shape(True, "c", 0, "m", tools=functions, tool_format=HERMES).response([served])["choices"][0]["message"]["tool_calls"]
+    first = Shape(True, "c", 0, "m", tools=functions, tool_format=HERMES, parallel_tool_calls=False).response([served])
+    assert len(both) == 2 and [json.loads(c["function"]["arguments"]) for c in first["choices"][0]["message"]["tool_calls"]] == [{"city": "Rome"}]

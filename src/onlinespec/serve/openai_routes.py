@@ -92,7 +92,8 @@ async def complete(core: Core, settings: ServerSettings, access: Access, request
     role, echoed = body.reply() if chat else ("assistant", "")
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), settings.model_name,
                   TokenText(core.tokenizer), echo=not chat and body.echo, prompt_logprobs=body.prompt_logprobs is not None, n=body.n,
-                  role=role, echoed=echoed, tools=_offered(body) if chat else None, tool_format=tools)
+                  role=role, echoed=echoed, tools=_offered(body) if chat else None, tool_format=tools,
+                  parallel_tool_calls=not chat or body.parallel_tool_calls)
     headers = {"X-Request-Id": request_id}
     ignored = body.ignored_fields()
     if ignored:  # unknown fields that change nothing: said, not silently dropped

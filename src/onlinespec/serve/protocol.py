@@ -188,7 +188,7 @@ class ChatRequest(_Common):
     top_logprobs: Logprobs | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True  # several calls in one answer, where the tool format has them (onlinespec.serve.tools)
+    parallel_tool_calls: bool = True  # false: an answer's first call only (onlinespec.serve.tools)
     # vLLM's rendering options (onlinespec.serve.prompts) and its echo
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -245,7 +245,7 @@ class ChatRequest(_Common):
         if constraint_of(self) is not None:
             raise ServeError("tool_choice required (or a named function) already constrains the output: drop the other constraint",
                              param="tool_choice")
-        return self._tools.constraint(functions, self.parallel_tool_calls)
+        return self._tools.constraint(functions)
 
     def reply(self) -> tuple[str, str]:
         """The answer's role and what comes before its text: vLLM's role is the assistant's, or

@@ -64,6 +64,7 @@ class Shape:
     echoed: str = ""  # chat: what comes before each choice's text (vLLM's echo: the last message's content)
     tools: list[dict] | None = None  # chat with tools the answer may call: its text is read as calls (onlinespec.serve.tools)
     tool_format: ToolFormat = GENERIC  # how calls are written (the chat template's format)
+    parallel_tool_calls: bool = True  # false: an answer's first call only
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -114,7 +115,8 @@ class Shape:
         """(its content, the calls) of a finished answer that makes calls, when tools were offered and it ended by itself."""
         if not self.chat or not self.tools or served.finish_reason != "stop":
             return None
-        return self.tool_format.parse(served.text, self.tools)
+        called = self.tool_format.parse(served.text, self.tools)
+        return called if called is None or self.parallel_tool_calls else (called[0], called[1][:1])
 
     def finish_chunks(self, index: int, served: Served) -> list[dict]:
         """A stream's last chunks of a choice. With tools, its text was held back (it may be a

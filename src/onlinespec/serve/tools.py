@@ -9,11 +9,15 @@ read back from what the model wrote (``auto``).
 - ``hermes``: the template renders ``tools`` itself and the model writes each call as
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Hermes 2 and 3, and
   the many templates that copy them). An assistant's calls go to the template as ``tool_calls``
-  with their arguments as objects; ``role: "tool"`` messages go as they are. Several calls in one
-  answer are one block each (``parallel_tool_calls: false``: one).
+  with their arguments as objects; ``role: "tool"`` messages go as they are. A free answer may
+  hold several calls, one block each.
 - ``generic``, for a template with no tool format (the packaged default's): a system message lists
   the tools (name, description, parameter schema, one JSON object a line) and asks for a bare
-  ``{"name": ..., "arguments": {...}}``; earlier calls are written back in that form; one call per answer.
+  ``{"name": ..., "arguments": {...}}``; earlier calls are written back in that form.
+
+In both, a required or named call is one call: the grammar ends the answer after it (allowing
+more let the 1.5B repeat the same call until ``max_tokens``). Several calls come from ``auto``,
+where the model writes them itself; ``parallel_tool_calls: false`` keeps the first.
 
 ``auto`` (the server's default, ``--tool-call-parser``) picks ``hermes`` when the chat template
 renders ``tools`` and writes ``<tool_call>``, else ``generic``.
@@ -124,8 +128,8 @@ class ToolFormat:
             content = (content + "\n" + "\n".join(written)).strip()
         return {"role": role, "content": content}
 
-    def constraint(self, functions: list[dict], parallel: bool = True) -> Constraint:
-        """The grammar of an answer that is a call (one, in this format)."""
+    def constraint(self, functions: list[dict]) -> Constraint:
+        """The grammar of an answer that is one call of one of ``functions``."""
         return replace(Constraint.json_schema(_call_schema(functions)), source="tools")
 
     def parse(self, text: str, functions: list[dict]) -> tuple[str | None, list[dict]] | None:
@@ -164,12 +168,9 @@ class HermesTools(ToolFormat):
         calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in map(_arguments, tool_calls)]
         return {"role": role, "content": content, "tool_calls": calls}
 
-    def constraint(self, functions: list[dict], parallel: bool = True) -> Constraint:
+    def constraint(self, functions: list[dict]) -> Constraint:
         schema = {**_call_schema(functions), "x-guidance": HERMES_JSON}
-        more = ' ("\\n" block)*' if parallel else ""  # further calls, one block each
-        grammar = (f"start: block{more}\n"
-                   f'block: {self.tags[0]} "\\n" call "\\n" {self.tags[1]}\n'
-                   f"call: %json {json.dumps(schema)}\n")
+        grammar = f'start: {self.tags[0]} "\\n" call "\\n" {self.tags[1]}\ncall: %json {json.dumps(schema)}\n'
         return replace(Constraint("grammar", grammar), source="tools")
 
     def parse(self, text: str, functions: list[dict]) -> tuple[str | None, list[dict]] | None:
