@@ -46,24 +46,28 @@ class DraftModelProposer(PerRequestProposer, SwappableDraft):
         pending = _sync(state, d.ids)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        keep_probs = d.with_probs or not d.params.greedy
         forward = 0.0
         for _ in range(d.k):
             start = time.perf_counter()
             logits = model(input_ids=torch.tensor([pending]), logits_to_keep=1, **cache_arg(model, state.cache)).logits[0, -1]
             forward += time.perf_counter() - start
             state.seen.extend(pending)
-            if d.params.greedy:
-                token = int(logits.argmax())
-                if keep_probs:
-                    rows.append(logits.float().softmax(-1))
-            else:
-                probs = logits_to_probs(logits, d.params)
-                token = sample(probs, d.generator)
-                rows.append(probs)
-            tokens.append(token)
-            pending = [token]
+            tokens.append(draft_token(logits, d, rows))
+            pending = [tokens[-1]]
         return Proposal(tokens, torch.stack(rows) if rows else None, forward, drafter=self.drafter)
+
+
+def draft_token(logits: torch.Tensor, d: DraftInput, rows: list[torch.Tensor]) -> int:
+    """A draft model's next token from its ``logits``: the argmax for a greedy request, else a draw
+    from its processed distribution with the request's generator; the distribution goes to
+    ``rows`` when the verifier needs it (sampled, or asked for with ``with_probs``)."""
+    if d.params.greedy:
+        if d.with_probs:
+            rows.append(logits.float().softmax(-1))
+        return int(logits.argmax())
+    probs = logits_to_probs(logits, d.params)
+    rows.append(probs)
+    return sample(probs, d.generator)
 
 
 def _sync(state: DraftLMState, ids: list[int]) -> list[int]:

@@ -24,8 +24,8 @@ import torch
 
 from onlinespec.decoding.proposal import DraftInput, Proposal
 from onlinespec.decoding.proposers.base import PerRequestProposer
+from onlinespec.decoding.proposers.draft_model import draft_token
 from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner
-from onlinespec.decoding.sampling import logits_to_probs, sample
 
 DRAFT_CONTEXT = 4096  # tokens per request in the draft's cache (a longer request drafts from its last ones)
 
@@ -62,16 +62,8 @@ class LlamaCppDraftProposer(PerRequestProposer):
         for _ in range(d.k):
             logits = self.runner.forward_alone(state.key, pending, 1)[0][-1]
             state.seen.extend(pending)
-            if d.params.greedy:
-                token = int(logits.argmax())
-                if d.with_probs:
-                    rows.append(logits.float().softmax(-1))
-            else:
-                probs = logits_to_probs(logits, d.params)
-                token = sample(probs, d.generator)
-                rows.append(probs)
-            tokens.append(token)
-            pending = [token]
+            tokens.append(draft_token(logits, d, rows))
+            pending = [tokens[-1]]
         return Proposal(tokens, torch.stack(rows) if rows else None, time.perf_counter() - started, drafter=self.drafter)
 
     def _sync(self, state: LlamaCppDraftState, ids: list[int]) -> list[int]:
