@@ -96,6 +96,8 @@ def test_a_hermes_answer_is_read_as_its_content_and_calls():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"city": "Oslo"})]
     assert HERMES.parse("It is sunny in Rome.", functions) is None
+    fenced = '```json\n{\n  "name": "get_time",\n  "arguments": {\n    "city": "Rome"\n  }\n}\n```'  # as Qwen2.5-Coder-1.5B writes a call unasked
+    assert [c["function"]["name"] for c in HERMES.parse(fenced, functions)[1]] == ["get_time"]
     assert HERMES.parse('<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>', functions) is None  # not offered
     assert HERMES.parse("<tool_call>\n{not json\n</tool_call>", functions) is None
 
