@@ -106,8 +106,9 @@ def llamacpp_draft(path: str, target: LoadedModel):
     if target.backend != "llama.cpp":
         raise ValueError(f"draft {path!r} is a GGUF file: it drafts beside a target served on llama.cpp (a GGUF target), "
                          f"not on {target.backend}")
-    check_same_tokenizer(target.tokenizer, load_gguf_view(Path(path).expanduser())[1], target.name, path)
-    return LlamaCppDraftProposer(Path(path).expanduser())
+    file = Path(path).expanduser()
+    check_same_tokenizer(target.tokenizer, load_gguf_view(file)[1], target.name, path)
+    return LlamaCppDraftProposer(file)
 
 
 def published_head(directory: Path, target: LoadedModel) -> FeatureHead:
