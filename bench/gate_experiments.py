@@ -58,6 +58,7 @@ from onlinespec.distill.step import DistillConfig
 from onlinespec.drafts.train import HYBRID_REPLAY, ChainConfig, ChainTask, replay_acceptance
 from onlinespec.factory import DEFAULT_HEAD, load_head
 from onlinespec.models import load_model
+from onlinespec.online.schedule import UpdatePlan, UpdateSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
@@ -77,6 +78,8 @@ class Setting:
     head_rows: bool = False
     holdout: str = "requests"  # requests: the newest 20% of requests; positions: 20% of every request's positions; none
     gate: str = "holdout first"  # the rule that publishes (a key of RULES)
+    shift_updates: int = 0  # the learner's update-size schedule (onlinespec.online.schedule): the first updates
+    shift_scale: float = 1.0  # take this many times the learning rate and the steps
 
 
 SETTINGS = [
@@ -93,6 +96,11 @@ SETTINGS = [
     Setting("next 10 hybrid", gate="next 10 hybrid", holdout="none"),
     Setting("next 10 hybrid + lr 5e-5", lr=5e-5, gate="next 10 hybrid", holdout="none"),
     Setting("next 20 hybrid + lr 5e-5", lr=5e-5, gate="next 20 hybrid", holdout="none"),
+    # the update-size schedule (onlinespec.online.schedule), on the learner's defaults (I = 25, lr 5e-5, 40 steps,
+    # the replayed gate's metric): "shift N xS" = the first N updates at S times the rate and the steps
+    Setting("learner", interval=25, lr=5e-5, gate="holdout hybrid"),
+    *(Setting(f"shift {n} x{scale:g}", interval=25, lr=5e-5, gate="holdout hybrid", shift_updates=n, shift_scale=scale)
+      for n, scale in ((3, 2.0), (3, 4.0), (8, 2.0))),
 ]
 NEXT_MAX = 20  # the next requests every candidate is scored on (the rules use the first 10 or all 20)
 
@@ -185,15 +193,16 @@ def split_rows(setting: Setting, seen: int, seq_of, in_holdout, covered) -> tupl
     return held, rows
 
 
-def train_candidate(setting: Setting, head, optimizer, stream, starts, generator) -> tuple:
-    """A copy of ``head`` trained on ``starts`` (the optimizer state carried on); (candidate, its optimizer)."""
+def train_candidate(setting: Setting, head, optimizer, stream, starts, generator, plan: UpdatePlan) -> tuple:
+    """A copy of ``head`` trained on ``starts`` (the optimizer state carried on) as ``plan`` says;
+    (candidate, its optimizer)."""
     candidate = head.clone()
-    opt = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=setting.lr)
+    opt = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=plan.lr)
     if optimizer is not None:
         opt.load_state_dict(optimizer)
         for group in opt.param_groups:
-            group["lr"] = setting.lr
-    steps = setting.steps if not setting.epoch_cap else max(1, min(setting.steps, math.ceil(len(starts) / setting.batch)))
+            group["lr"] = plan.lr
+    steps = plan.steps if not setting.epoch_cap else max(1, min(plan.steps, math.ceil(len(starts) / setting.batch)))
     task = ChainTask(stream, ChainConfig(generated_only=True))
     batches = (starts[torch.randint(len(starts), (min(setting.batch, len(starts)),), generator=generator)].tolist() for _ in range(steps))
     run_steps(candidate, opt, lambda model, o, chunk: task.step(model, o, chunk, DistillConfig()), batches)
@@ -211,10 +220,13 @@ def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict
     seq_of = stream.sequence_of()[full.starts]
     in_holdout = torch.rand(len(full.starts), generator=torch.Generator().manual_seed(1)) < 0.2
     covered = ngram_covered(stream, full.starts) if setting.head_rows else None
+    schedule = UpdateSchedule(setting.lr, setting.steps, setting.lr, 1, setting.shift_updates, setting.shift_scale)
     for seen in range(setting.interval, n + 1, setting.interval):
         held, rows = split_rows(setting, seen, seq_of, in_holdout, covered)
         starts, held_starts = full.starts[rows], full.starts[held]
-        candidate, opt = train_candidate(setting, head, optimizer, stream, starts, generator)
+        plan = schedule.plan(cold=False)
+        candidate, opt = train_candidate(setting, head, optimizer, stream, starts, generator, plan)
+        schedule.done()
         if gate_stream is None:  # the original replay: the learner's gate only
             before, after = gate_alpha(head, stream, held_starts), gate_alpha(candidate, stream, held_starts)
             passed = after >= before
@@ -227,7 +239,7 @@ def run(setting: Setting, start_head, stream, heldout, gate_stream=None) -> dict
             next_signal = gate_stream.select(range(seen, min(seen + NEXT_MAX, len(gate_stream))))
             entry = judge(head, candidate, stream, held_starts, held_requests, next_signal, heldout)
             passed = bool(RULES[setting.gate](entry))
-            entry.update(seen=seen, published=passed, truth=[round(alpha(x), 4) for x in entry["truth_by_request"]])
+            entry.update(seen=seen, published=passed, lr=plan.lr, steps=plan.steps, truth=[round(alpha(x), 4) for x in entry["truth_by_request"]])
             entry["gate"] = entry.get("holdout_first") or [round(alpha(x[:10]), 4) for x in entry["next_hybrid"]]
             gate_log.append(entry)
         if passed:
@@ -293,6 +305,27 @@ def analyse(results: list, packaged: dict) -> tuple[list, dict]:
     return lines, per_rule
 
 
+def plot_served(results: list, packaged: dict, path: Path, title: str) -> None:
+    """The truth (held-out hybrid alpha) of the draft that serves after each update, one line per row."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        served = [packaged["hybrid"]]
+        for e in r["log"]:
+            served.append(e["truth"][1] if e["published"] else served[-1])
+        ax.plot([0] + [e["seen"] for e in r["log"]], served, marker="o", label=r["setting"])
+    ax.set_xlabel("requests learnt from")
+    ax.set_ylabel("held-out hybrid alpha of the serving draft")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="stdlib")
@@ -301,11 +334,14 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated setting names (default: all)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "gate-experiments")
     parser.add_argument("--gates", action="store_true", help="score every candidate by every rule of RULES too (the next-requests gates)")
-    parser.add_argument("--analyse", type=Path, default=None, help="a saved --gates JSON: print its tables, run nothing")
+    parser.add_argument("--analyse", type=Path, default=None, help="a saved --gates JSON: print its tables (and with --plot its plot), run nothing")
+    parser.add_argument("--plot", type=Path, default=None, help="also plot the serving draft's held-out alpha after each update (PNG)")
     args = parser.parse_args()
     if args.analyse is not None:
         saved = json.loads(args.analyse.read_text())
         print("\n".join(analyse(saved["results"], saved["packaged"])[0]))
+        if args.plot:
+            plot_served(saved["results"], saved["packaged"], args.plot, args.analyse.stem)
         return
     torch.manual_seed(0)
     target = load_model("default")
@@ -342,8 +378,10 @@ def main() -> None:
     if shadow:
         lines += ["", *shadow]
     header = (f"Command: `python bench/gate_experiments.py --domain {args.domain} --stream {args.stream} --heldout {args.heldout}"
-              f"{' --gates' if args.gates else ''}`; "
+              f"{' --gates' if args.gates else ''}{f' --only {chr(34)}{args.only}{chr(34)}' if args.only else ''}`; "
               f"{platform.platform()}, {harness.utc_now()}.")
+    if args.plot:
+        plot_served(results, packaged, args.plot, f"{args.domain}: the serving draft after each update")
     args.out.with_suffix(".md").write_text(header + "\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -144,7 +144,27 @@ def test_a_restart_serves_the_registrys_current_version(tiny_llama, tmp_path, on
     version = registry.publish(trained.state_dict(), {"parent": "v0001"})
     # a fresh process: the starting head again, the same registry and buffer folders
     proposer = FeatureHeadProposer(head)
-    OnlineLearner(proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), registry, LearnerConfig())
+    learner = OnlineLearner(proposer, ReplayBuffer(tmp_path / "buffer", policy="window"), registry, LearnerConfig())
     assert proposer.version == version
     assert torch.equal(proposer.model.fuse.weight, trained.fuse.weight)
     assert not torch.equal(head.fuse.weight, trained.fuse.weight)  # the starting head was not overwritten
+    # it learnt online before: a restart's updates are steady ones, not a new draft's larger steps
+    assert learner.updater.trainer.schedule.plan(cold=False).phase == "steady"
+
+
+def test_a_drafts_first_updates_take_larger_steps_and_a_drift_makes_them_large_again(learned, one_thread):
+    # LearnerConfig's defaults: the first shift_updates updates at shift_scale times the rate and the steps
+    target, _, proposer, learner, _, _, _ = learned
+    config = learner.config
+    assert config.shift_updates == 3 and config.shift_scale == 2.0
+    phases = [(r.phase, r.lr, r.steps) for r in learner.reports]
+    assert phases[:3] == [("shifted", 2 * config.lr, 2 * config.steps_per_update)] * 3
+    assert set(phases[3:]) == {("steady", config.lr, config.steps_per_update)}
+    # a drift the router detects (hurry) makes the next update due at once, and a shifted one again
+    learner.hurry()
+    decoder = SpeculativeDecoder(target, None, proposer, k=3)
+    before = len(learner.reports)
+    learner.observe(decoder.generate(prompts(1, seed=2)[0], PARAMS, trace=True), domain="test")
+    learner.wait()
+    assert len(learner.reports) == before + 1
+    assert (learner.reports[-1].phase, learner.reports[-1].lr) == ("shifted", 2 * config.lr)

@@ -44,6 +44,7 @@ def make(tiny_llama, tmp_path, policy="window", draft_seed=5, hidden=32, **confi
     (lambda: LearnerConfig(gate_fraction=1.0), "gate_fraction"),
     (lambda: LearnerConfig(position_policy="all"), "use one of"),
     (lambda: LearnerConfig(max_failures=0), "max_failures"),
+    (lambda: LearnerConfig(shift_scale=0.0), "shift_scale"),
 ])
 def test_bad_options_are_refused_when_configured(make_config, says):
     with pytest.raises(ValueError, match=says):
@@ -116,8 +117,9 @@ def test_the_update_steps_train_gate_and_publish_each_on_their_own(tiny_llama, t
         learner.observe(decoder.generate(prompt, PARAMS, trace=True))
     records = learner.buffer.records()
     serving, parent = learner.publisher.latest
-    candidate, optimizer, examples, steps = learner.updater.train(serving, records)
-    assert candidate is not serving and examples == len(records) and learner.steps_done == steps == 3
+    candidate, optimizer, examples, plan = learner.updater.train(serving, records)
+    # a first update is a shifted one (onlinespec.online.schedule): twice the steps
+    assert candidate is not serving and examples == len(records) and learner.steps_done == plan.steps == 6
     before, after, by_domain, passed = learner.updater.gate.judge(serving, candidate, {"default": records[-1:]}, learner.updater.gate.figure(False))
     assert set(before) >= {"loss", "alpha"} and by_domain == {} and passed  # gate margin 1: any candidate passes
     learner.registry.publish(serving.state_dict(), {"parent": parent, "note": "another process"})  # CURRENT moved meanwhile

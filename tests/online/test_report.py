@@ -25,13 +25,13 @@ def test_report_of_a_run_compared_on_every_other_request(tmp_path):
     assert (tmp_path / "alpha.png").stat().st_size > 10_000
 
 
-def test_the_report_says_how_many_updates_the_gate_could_tell_and_how_many_fell_back():
+def test_the_report_says_how_many_updates_were_shifted_the_gate_could_tell_and_fell_back():
     from onlinespec.online.report import update_counts
 
-    updates = [{"draft": "code", "version": "v0002", "decidable": True, "outcome": "published"},
+    updates = [{"draft": "code", "version": "v0002", "decidable": True, "outcome": "published", "phase": "shifted"},
                {"draft": "code", "version": None, "decidable": False, "outcome": "refused"},
                {"draft": "code", "version": None, "decidable": None, "outcome": "floor"},
                {"draft": "chat", "version": "v0002", "outcome": "published"}]  # a draft LM: no paired figures
     assert update_counts(updates) == [
-        "draft code: 3 updates, 1 published, 1 of 2 decidable, 1 fell back to the starting draft (the floor)",
+        "draft code: 3 updates (1 shifted), 1 published, 1 of 2 decidable, 1 fell back to the starting draft (the floor)",
         "draft chat: 1 updates, 1 published"]

@@ -56,6 +56,9 @@ CORE_OPTIONS: dict[str, tuple] = {
     "steps_per_update": (Annotated[int, typer.Option(min=1)], LearnerConfig.steps_per_update),
     "cold_steps": (Annotated[int, typer.Option(min=1, help="a draft born from the target (a fresh head) takes this many times the steps")],
                    LearnerConfig.cold_steps),
+    "shift_updates": (Annotated[int, typer.Option(min=0, help="a draft's first updates on traffic it has not learnt from (a new draft, a drift) take --shift-scale times the rate and steps")],
+                      LearnerConfig.shift_updates),
+    "shift_scale": (Annotated[float, typer.Option(min=0.001, help="see --shift-updates (1: no larger steps)")], LearnerConfig.shift_scale),
     "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
     "lr": (Annotated[float, typer.Option(help="learner learning rate (> 0)")], LearnerConfig.lr),
     "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
@@ -111,7 +114,7 @@ def _core_config(o: dict) -> CoreConfig:
     learner = LearnerConfig(
         update_interval=o["update_interval"], interval_unit=o["interval_unit"], position_policy=o["positions"], sampling=o["sampling"],
         distill=DistillConfig(loss=o["loss"], beta=o["beta"]), steps_per_update=o["steps_per_update"],
-        cold_steps=o["cold_steps"], batch_size=o["batch_size"],
+        cold_steps=o["cold_steps"], shift_updates=o["shift_updates"], shift_scale=o["shift_scale"], batch_size=o["batch_size"],
         lr=o["lr"], threads=o["learner_threads"], priority=o["priority"], cpu_share=o["cpu_share"], gate=o["gate"], gate_metric=o["gate_metric"], gate_by=o["gate_by"], floor=o["floor"],
         keep_versions=o["keep_versions"], max_failures=o["max_failures"],
     )

@@ -25,6 +25,8 @@ class LearnerConfig:
     lr: float = 5e-5  # measured best of 3e-4, 1e-4, 5e-5 on a familiar and an unseen domain (docs/faster-drafts.md)
     cold_lr: float = 1e-3  # a draft that starts from nothing (a fresh head): the offline warm-up's rate (docs/drafts.md)
     cold_steps: int = 4  # and this many times steps_per_update: +0.02-0.05 step-1 alpha by request 300 (bench/fresh_head_data.py)
+    shift_updates: int = 3  # a draft's first updates on traffic it has not learnt from (a new draft, a drift) take
+    shift_scale: float = 2.0  # this many times lr and steps_per_update (onlinespec.online.schedule)
     gate_fraction: float = 0.2  # the newest share of the buffer's records, held out to judge a candidate
     gate_margin: float = 0.0  # publish if candidate alpha >= serving alpha - margin
     gate: str = "holdout"  # holdout: judge on the newest gate_fraction held out of training; next: train on
@@ -73,5 +75,7 @@ class LearnerConfig:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
         if not 0.0 < self.cpu_share <= 1.0:
             raise ValueError(f"cpu_share must lie in (0, 1], got {self.cpu_share}")
+        if self.shift_updates < 0 or not (math.isfinite(self.shift_scale) and self.shift_scale > 0):
+            raise ValueError(f"shift_updates must be >= 0 and shift_scale > 0, got {self.shift_updates}, {self.shift_scale}")
         if self.update_interval < 1 or self.steps_per_update < 1 or self.cold_steps < 1 or self.threads < 1:
             raise ValueError("update_interval, steps_per_update, cold_steps and threads must be >= 1")

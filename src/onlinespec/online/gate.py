@@ -30,7 +30,7 @@ class Pending:
     candidate: object
     optimizer: object
     examples: int
-    steps: int
+    plan: object  # the UpdatePlan it was trained by (onlinespec.online.schedule)
     parent: str
     trained_on: set  # id() of the records it trained on (the pending entry keeps them alive)
     records: list
@@ -41,7 +41,7 @@ class NextGate:
         self.pending: Pending | None = None
 
     def take(self, records: list, parent: str, gate_by: str):
-        """(candidate, optimizer, examples, steps, held-out groups) of the pending candidate, judged on
+        """(candidate, optimizer, examples, plan, held-out groups) of the pending candidate, judged on
         ``records`` it did not train on; None if there is none to judge (yet)."""
         pending = self.pending
         if pending is None or pending.parent != parent:
@@ -51,7 +51,7 @@ class NextGate:
         if not fresh:
             return None
         self.pending = None
-        return pending.candidate, pending.optimizer, pending.examples, pending.steps, groups(fresh, gate_by)
+        return pending.candidate, pending.optimizer, pending.examples, pending.plan, groups(fresh, gate_by)
 
     def train(self, train: Callable, latest: tuple, records: list) -> None:
         """Train the next candidate on every record (``train(serving, records)``), from ``latest``,
@@ -59,8 +59,8 @@ class NextGate:
         serving, parent = latest
         trained = train(serving, records)
         if trained is not None:
-            candidate, optimizer, examples, steps = trained
-            self.pending = Pending(candidate, optimizer, examples, steps, parent, {id(r) for r in records}, list(records))
+            candidate, optimizer, examples, plan = trained
+            self.pending = Pending(candidate, optimizer, examples, plan, parent, {id(r) for r in records}, list(records))
 
 
 def groups(records: list, gate_by: str) -> dict[str, list]:

@@ -88,6 +88,8 @@ class OnlineLearner:
         self.updater = Updater(config, self.learnable, buffer, self._lock, self.publisher, self.budget, self._cancel,
                                lambda event: self.on_event(event), lambda: self.pinned, self.identity)  # on_event may be swapped later
         self.reports: list[UpdateReport] = self.updater.reports
+        if len(registry.versions()) > 1:  # it learnt online before this process: no shifted updates until a drift
+            self.updater.trainer.schedule.resume()
 
     @property
     def steps_done(self) -> int:
@@ -161,9 +163,11 @@ class OnlineLearner:
 
     def hurry(self) -> None:
         """Make the next update due now instead of after I units (a detected drift); it starts
-        at the next request, as soon as the shared slot is free."""
+        at the next request, as soon as the shared slot is free, and the next updates take the
+        shifted phase's larger steps (:mod:`onlinespec.online.schedule`)."""
         with self._lock:
             self.backoff = 1  # a drift: learning pays again
+            self.updater.trainer.schedule.shifted()
             self._count = max(self._count, self.config.update_interval)
         if self.due and self.due_since is None:
             self.due_since = time.monotonic()

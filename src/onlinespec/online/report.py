@@ -71,13 +71,15 @@ def ci_text(comparison: dict) -> str:
 
 
 def update_counts(updates: list[dict]) -> list[str]:
-    """'draft code: 3 updates, 1 published, 2 decidable', one per draft, in the order the drafts
-    first updated (decidable: the gain exceeded its paired noise; floor: the starting draft served again)."""
+    """'draft code: 3 updates (2 shifted), 1 published, 2 decidable', one per draft, in the order the
+    drafts first updated (shifted: larger steps on new traffic, onlinespec.online.schedule;
+    decidable: the gain exceeded its paired noise; floor: the starting draft served again)."""
     by_draft: dict[str, list[dict]] = {}
     for update in updates:
         by_draft.setdefault(update.get("draft", SHARED), []).append(update)
     def line(name: str, us: list[dict]) -> str:
-        text = f"draft {name}: {len(us)} updates, {sum(bool(u['version']) for u in us)} published"
+        shifted = sum(u.get("phase") == "shifted" for u in us)
+        text = f"draft {name}: {len(us)} updates{f' ({shifted} shifted)' if shifted else ''}, {sum(bool(u['version']) for u in us)} published"
         judged = [u for u in us if u.get("decidable") is not None]
         if judged:
             text += f", {sum(u['decidable'] for u in judged)} of {len(judged)} decidable"

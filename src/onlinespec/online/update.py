@@ -36,7 +36,7 @@ class UpdateReport:
     # | superseded (passed, but another process changed the registry's CURRENT meanwhile: its choice stands)
     # | floor (refused, and the serving draft fell below the starting one: that one serves again, onlinespec.online.floor)
     engine_seconds: float = 0.0  # the compute time it took (its wall time less its waits for the engine's turns)
-    steps: int = 0  # optimizer steps it took (a draft born from the target takes LearnerConfig.cold_steps times more)
+    steps: int = 0  # optimizer steps it took (by its phase: onlinespec.online.schedule)
     cold: bool = False  # the draft was born from the target (LearnableDraft.cold): the learning controller judges it by alpha
     gate_metric: str = "alpha"  # the figure the gate decided by (LearnerConfig.gate_metric; alpha for a draft LM)
     replayed_before: float | None = None  # gate_metric replayed: the serving draft's replayed figure on the held-out records
@@ -45,6 +45,8 @@ class UpdateReport:
     floor_breached: bool = False  # the serving draft accepted less than the starting one, with 95% confidence
     gate_error: float | None = None  # the paired standard error of the candidate's gain in the gate's figure (None: no per-position figures)
     decidable: bool | None = None  # the gain exceeded DECIDABLE paired standard errors: the gate could tell, not a coin toss
+    phase: str = ""  # the draft's phase: cold, shifted or steady (onlinespec.online.schedule)
+    lr: float = 0.0  # the learning rate it trained at
 
 
 DECIDABLE = 1.96  # two-sided 95%: a candidate whose gain exceeds this many paired standard errors is decidable
@@ -68,7 +70,7 @@ class Updater:
         self.reports: list[UpdateReport] = []
 
     def train(self, serving, records: list):
-        """(candidate, optimizer, examples, steps) trained from ``serving`` on ``records``, or None."""
+        """(candidate, optimizer, examples, plan) trained from ``serving`` on ``records``, or None."""
         return self.trainer.train(serving, records, seed=len(self.reports))
 
     def run(self, records: list, records_seen: int) -> None:
@@ -88,7 +90,7 @@ class Updater:
             trained = self.train(serving, train)
         if trained is None:  # no example to train on, or cancelled
             return None
-        candidate, optimizer, examples, steps = trained
+        candidate, optimizer, examples, plan = trained
         cold = self.learnable.cold(serving)
         figure = self.gate.figure(cold)
         before, after, by_domain, passed = self.gate.judge(serving, candidate, groups, figure)
@@ -112,9 +114,9 @@ class Updater:
         seconds = time.perf_counter() - start
         error = paired_error(before, after) or None
         report = UpdateReport(version, parent, records_seen, before["loss"], after["loss"], before["alpha"], after["alpha"],
-                              seconds, examples, by_domain, time.time(), outcome, seconds - self.budget.waited, steps, cold,
+                              seconds, examples, by_domain, time.time(), outcome, seconds - self.budget.waited, plan.steps, cold,
                               figure, before.get("replayed"), after.get("replayed"), floor and floor["static"], breached, error,
-                              None if error is None else abs(after[figure] - before[figure]) > DECIDABLE * error)
+                              None if error is None else abs(after[figure] - before[figure]) > DECIDABLE * error, plan.phase, plan.lr)
         self.reports.append(report)
         self.on_event({"event": "update", **asdict(report), "time": time.time()})
         if self.config.gate == "next":
