@@ -347,6 +347,8 @@ def main() -> None:
                    "load": None if args.in_flight else args.load, "in_flight": args.in_flight, "domains": args.domains,
                    "segments": args.segments,
                    "paired_thirds": paired_thirds(all_rows, args.domains.split(",")) if args.segments else None,
+                   # against the per-domain drafts' suffix indexes alone: what the head's own learning added
+                   "paired_thirds_index": paired_thirds(all_rows, args.domains.split(","), against="index") if args.segments else None,
                    "rate_per_s": rate, "block": args.block, "max_tokens": args.max_tokens, "server_args": args.server_args,
                    "verdicts": verdicts(runs, args.n), "runs": runs}
         summary = json.loads(harness.write_result(args.json, summary).read_text())

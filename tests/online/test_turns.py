@@ -120,3 +120,30 @@ def test_a_turn_the_process_was_suspended_in_does_not_count_the_pause_as_learnin
     turns.give()
     thread.join(5)
     assert turns.learn_seconds_total < 1.0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_update_in_the_engines_turns_computes_on_the_learners_threads_not_every_core(threads):
+    # a second OpenMP team in the process makes llama.cpp's barriers sleep (onlinespec.online.budget):
+    # in its turns the learner keeps LearnerConfig.threads, 1 by default
+    import torch
+
+    from onlinespec.online.budget import UpdateBudget
+    from onlinespec.online.config import LearnerConfig
+
+    assert LearnerConfig().threads == 1
+    turns = EngineTurns(share=1.0)
+    budget = UpdateBudget(LearnerConfig(threads=threads), background=True, turns=turns, cancelled=lambda: False)
+    seen = []
+
+    def update() -> None:
+        budget.enter()
+        seen.append(torch.get_num_threads())
+        budget.give_turn_back()
+
+    thread = threading.Thread(target=update, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        turns.give()
+        thread.join(0.01)
+    assert seen == [threads]

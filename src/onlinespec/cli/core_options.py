@@ -61,7 +61,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "shift_scale": (Annotated[float, typer.Option(min=0.001, help="see --shift-updates (1: no larger steps)")], LearnerConfig.shift_scale),
     "batch_size": (Annotated[int, typer.Option(min=1, help="examples per learner step")], LearnerConfig.batch_size),
     "lr": (Annotated[float, typer.Option(help="learner learning rate (> 0)")], LearnerConfig.lr),
-    "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread")], LearnerConfig.threads),
+    "learner_threads": (Annotated[int, typer.Option(min=1, help="torch threads of the learner thread, in the engine's turns too (more slow llama.cpp down: onlinespec.online.budget)")], LearnerConfig.threads),
     "priority": (Annotated[str, typer.Option(help="learner thread priority: low (nice 19), idle (SCHED_IDLE: serving preempts it at once) or normal")], LearnerConfig.priority),
     "cpu_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="the most wall time the learner computes")], LearnerConfig.cpu_share),
     "learn_share": (Annotated[float, typer.Option(min=0.0, max=1.0, help="under load, the most of the engine's wall time draft updates take: they "

@@ -6,14 +6,22 @@ leaves: on a 2-core machine that serving saturates, an update takes longer but r
 speed (docs/learner-overhead.md and docs/online-experiments.md measure both). ``cpu_share`` caps
 the share of wall time the learner computes (it sleeps between steps), for machines where it runs
 at normal priority. With the serving engine's turns (:mod:`onlinespec.online.turns`), the update
-computes only in the turns the engine gives it, on every core, never beside a step.
+computes only in the turns the engine gives it, never beside a step, and still on ``threads``
+torch threads (default 1), not on every core: torch and llama.cpp share one OpenMP runtime
+(``libgomp``), and a second thread team in the process (the learner's, even idle between its
+turns) makes it count more OpenMP threads than cores, after which every team's barriers spin
+100 times instead of 300,000 before sleeping. llama.cpp's CPU graph crosses such a barrier at
+every node: on this project's 2-core machine a 1-token decode of the default target took 15-18 ms
+against 9-10 ms while a learner with 2 torch threads took turns beside it (never at the same
+time), 9.5 ms with 1; served at one request in flight, time per output token doubled while an
+update ran with 2 threads and did not move with 1, and the update took no longer
+(docs/online-learning.md, "Learning on the engine's time").
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import time
 from collections.abc import Callable
 
@@ -45,15 +53,14 @@ class UpdateBudget:
 
     def enter(self) -> None:
         """Take the learner thread's budget: its torch threads and its priority; in the engine's
-        turns, every core (serving waits meanwhile) and no lower priority."""
+        turns no lower priority (serving waits meanwhile), and the same threads (see above)."""
         self.waited = 0.0
         if self.background:
             name_thread("onlinespec-learn")
-        if self.turns is not None:
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(self.config.threads)
+        if self.turns is not None:  # the same threads in its turns: a second OpenMP team slows llama.cpp (above)
             self.turns.take(self.cancelled)
             return
-        torch.set_num_threads(self.config.threads)
         if self.background:
             lower_priority(self.config.priority)
 

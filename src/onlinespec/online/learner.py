@@ -61,7 +61,7 @@ class OnlineLearner:
         metadata; a registry written for another identity is refused. ``origin``: where the
         proposer's weights came from, for an empty registry's first version (default: the starting
         draft; a draft spawned by the content router names the draft and version it copied). ``turns``: the serving engine's (:mod:`onlinespec.online.turns`):
-        the update thread computes only in turns the engine gives it, on every core, never beside a step."""
+        the update thread computes only in turns the engine gives it, never beside a step."""
         self.proposer, self.buffer, self.registry = proposer, buffer, registry
         self.on_event, self.slot = on_event or (lambda event: None), slot
         self.config = config = config or LearnerConfig()

@@ -5,7 +5,8 @@ starves (nice 19) or slows every request it runs beside (normal priority cost ab
 serving here, docs/learner-overhead.md). Here the engine owns the cores: the learner's thread
 waits for a turn, the engine hands it one and waits while it runs (one optimizer step or one gate
 evaluation at a time, a turn lasting about ``slice_seconds``), then takes the cores back. The two
-never compute at once, and the learner may use every core while it holds its turn.
+never compute at once (the learner computes on ``LearnerConfig.threads`` torch threads, default 1:
+why not on every core, :mod:`onlinespec.online.budget`).
 
 When no request is waiting the engine gives turn after turn (learning at full speed, a new
 request waiting at most one unit of work). Under load it gives one only while the share of its
