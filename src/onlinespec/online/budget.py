@@ -9,9 +9,9 @@ at normal priority. With the serving engine's turns (:mod:`onlinespec.online.tur
 computes only in the turns the engine gives it, never beside a step, and still on ``threads``
 torch threads (default 1), not on every core: torch and llama.cpp share one OpenMP runtime
 (``libgomp``), and a second thread team in the process (the learner's, even idle between its
-turns) makes it count more OpenMP threads than cores, after which every team's barriers spin
-100 times instead of 300,000 before sleeping. llama.cpp's CPU graph crosses such a barrier at
-every node: on this project's 2-core machine a 1-token decode of the default target took 15-18 ms
+turns) slows llama.cpp's (likely libgomp's rule for more OpenMP threads than cores: waits spin
+100 times instead of 300,000 before sleeping, and llama.cpp's CPU graph crosses a barrier at
+every node). On this project's 2-core machine a 1-token decode of the default target took 15-18 ms
 against 9-10 ms while a learner with 2 torch threads took turns beside it (never at the same
 time), 9.5 ms with 1; served at one request in flight, time per output token doubled while an
 update ran with 2 threads and did not move with 1, and the update took no longer
