@@ -20,23 +20,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("cold", "shifted", "steady")
-
 
 @dataclass(frozen=True)
 class UpdatePlan:
     lr: float
     steps: int
-    phase: str  # one of PHASES
+    phase: str  # cold, shifted or steady
 
 
 class UpdateSchedule:
     """The plan of a draft's next update; :meth:`shifted` when its traffic changes, :meth:`done`
-    after each update (whatever the gate decided)."""
+    after each update (whatever the gate decided). :class:`~onlinespec.online.config.LearnerConfig`
+    checks the settings."""
 
     def __init__(self, lr: float, steps: int, cold_lr: float, cold_steps: int, shift_updates: int, shift_scale: float) -> None:
-        if shift_updates < 0 or not shift_scale > 0:
-            raise ValueError(f"shift_updates must be >= 0 and shift_scale > 0, got {shift_updates}, {shift_scale}")
         self.lr, self.steps, self.cold_lr, self.cold_steps = lr, steps, cold_lr, cold_steps
         self.shift_updates, self.shift_scale = shift_updates, shift_scale
         self.since_shift = 0  # updates since the draft met new traffic (a new draft starts there)

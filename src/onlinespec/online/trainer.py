@@ -35,12 +35,11 @@ class CandidateTrainer:
         candidate = self.learnable.copy(serving)  # the serving draft is never touched
         self.learnable.adapt(candidate, records)
         plan: UpdatePlan = self.schedule.plan(self.learnable.cold(serving))
-        lr = plan.lr
-        optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=lr)
+        optimizer = torch.optim.AdamW([p for p in candidate.parameters() if p.is_floating_point()], lr=plan.lr)
         if self.optimizer_state is not None:  # carry Adam's moments on: a fresh optimizer's first steps jump by ~lr everywhere
             optimizer.load_state_dict(self.optimizer_state)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = plan.lr
         generator = torch.Generator().manual_seed(seed)
         n, size = len(objective.examples), min(config.batch_size, len(objective.examples))
         batches = ([objective.examples[i] for i in torch.randint(n, (size,), generator=generator).tolist()] for _ in range(plan.steps))

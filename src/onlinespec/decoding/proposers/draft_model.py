@@ -8,6 +8,7 @@ cache, :mod:`onlinespec.decoding.batch_cache`, for the draft too).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,7 @@ class DraftModelProposer(PerRequestProposer, SwappableDraft):
         model = self.model
         if state.model is not model:  # a new request, or a draft swapped in since its last round
             state.model, state.cache, state.seen = model, DynamicCache(config=model.config), []
-        pending = _sync(state, d.ids)
+        pending = resync(state.seen, d.ids, lambda n: truncate_cache(state.cache, n))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         forward = 0.0
@@ -70,16 +71,17 @@ def draft_token(logits: torch.Tensor, d: DraftInput, rows: list[torch.Tensor]) -
     return sample(probs, d.generator)
 
 
-def _sync(state: DraftLMState, ids: list[int]) -> list[int]:
-    """Drop cached positions the engine discarded; return the ids the cache has not seen."""
-    seen = state.seen
-    if ids[: len(seen)] != seen:
+def resync(seen: list[int], ids: list[int], truncate: Callable[[int], None]) -> list[int]:
+    """Cut a draft's cache (``truncate(n)`` keeps its first n positions) and ``seen``, the ids it
+    holds, to what ``ids`` begins with (the engine discarded the rest); return the ids still to
+    feed, at least the last one (its logits are the first draft's)."""
+    if ids[: len(seen)] == seen:
+        common = len(seen)
+    else:
         shorter = min(len(ids), len(seen))
         common = next((i for i in range(shorter) if ids[i] != seen[i]), shorter)
-        truncate_cache(state.cache, common)
+    common = min(common, len(ids) - 1)
+    if common < len(seen):
+        truncate(common)
         del seen[common:]
-    pending = ids[len(seen):]
-    if not pending:  # everything is cached: re-feed the last token to get its logits
-        truncate_cache(state.cache, len(seen) - 1)
-        pending = [seen.pop()]
-    return pending
+    return ids[common:]

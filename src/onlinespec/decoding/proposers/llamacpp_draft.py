@@ -24,7 +24,7 @@ import torch
 
 from onlinespec.decoding.proposal import DraftInput, Proposal
 from onlinespec.decoding.proposers.base import PerRequestProposer
-from onlinespec.decoding.proposers.draft_model import draft_token
+from onlinespec.decoding.proposers.draft_model import draft_token, resync
 from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner
 
 DRAFT_CONTEXT = 4096  # tokens per request in the draft's cache (a longer request drafts from its last ones)
@@ -55,7 +55,8 @@ class LlamaCppDraftProposer(PerRequestProposer):
     def propose_one(self, d: DraftInput) -> Proposal:
         state = d.state if d.state is not None else LlamaCppDraftState()
         ids = d.ids[-(self.runner.context - d.k - 1):]  # what fits the draft's context, the end of the text
-        pending = self._sync(state, ids)
+        self._hold(state)
+        pending = resync(state.seen, ids, lambda n: self.runner.truncate(state.key, n))
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         started = time.perf_counter()
@@ -65,18 +66,6 @@ class LlamaCppDraftProposer(PerRequestProposer):
             tokens.append(draft_token(logits, d, rows))
             pending = [tokens[-1]]
         return Proposal(tokens, torch.stack(rows) if rows else None, time.perf_counter() - started, drafter=self.drafter)
-
-    def _sync(self, state: LlamaCppDraftState, ids: list[int]) -> list[int]:
-        """Hold a sequence for ``state``, cut its cache to what ``ids`` begins with, and return the
-        ids still to feed (at least the last one: its logits are the first draft's)."""
-        self._hold(state)
-        seen = state.seen
-        common = next((i for i, (a, b) in enumerate(zip(ids, seen)) if a != b), min(len(ids), len(seen)))
-        common = min(common, len(ids) - 1)
-        if common < len(seen):
-            self.runner.truncate(state.key, common)
-            del seen[common:]
-        return ids[common:]
 
     def _hold(self, state: LlamaCppDraftState) -> None:
         """A sequence for ``state``: free those of requests that are gone, then the least recently used one."""
