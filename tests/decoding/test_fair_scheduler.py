@@ -25,7 +25,10 @@ class FakeEngine:
     def __init__(self) -> None:
         self.steps = 0
 
-    def step(self, active: list[RequestState]):
+    def parkable_rows(self) -> list[RequestState]:
+        return []  # every row decodes every step
+
+    def step(self, active: list[RequestState], idle: frozenset[int] = frozenset()):
         self.steps += 1
         for r in active:
             if r.prefilled < len(r.ids):
@@ -332,3 +335,44 @@ def test_5000_waiting_choices_of_3_tenants_are_admitted_in_the_plain_scans_order
             assert scheduler.waiting_groups() == {whose[r][1] for r in waiting} and scheduler.waiting_requests() == len(scheduler.waiting_groups())
     assert len(whose) == choices and len(set(admitted)) == choices and scheduler.preempted > 0
     assert len(admitted) == choices + scheduler.preempted and scheduler.served == {} and scheduler.group_served == {}
+
+
+def test_held_tenants_decode_share_settles_at_its_bound_and_one_share_is_a_bad_setting():
+    """The decode share's bookkeeping (``onlinespec.decoding.step_shares``): with a held tenant's
+    rows charged their part of each contested step, its rows sit out just often enough that its
+    share of the decode time settles at the bound; 1.0 never sits out; a share of 0 is refused."""
+    from onlinespec.decoding.step_shares import DecodeShare
+
+    share, decoded = DecodeShare(0.4), 0
+    for _ in range(200):  # A's 4 rows and B's 4: a mixed step 60 ms, A's alone 30 ms
+        if share.sits_out():
+            share.charge(0.030, 0, 4)
+        else:
+            share.charge(0.060, 4, 8)
+            decoded += 1
+    assert 0.35 <= share.held_seconds / (share.held_seconds + share.within_seconds) <= 0.45
+    assert 100 <= decoded <= 160  # B decodes in most steps, not every one
+    never = DecodeShare(1.0)
+    for _ in range(20):
+        assert not never.sits_out()
+        never.charge(0.06, 7, 8)
+    with pytest.raises(ValueError, match="held_share"):
+        DecodeShare(0.0)
+
+
+def test_rows_that_sit_steps_out_on_the_torch_batch_cache_keep_their_text(tiny_target):
+    """The torch runner pads every row of its batch cache, so its scheduler never sits rows out
+    (no time saved); when told to anyway, a row given no block keeps no column and every answer
+    is the target alone's (the same mechanism as llama.cpp's, where it saves the row's time)."""
+    decoder = _decoder(tiny_target)
+    assert not decoder.engine.parkable_rows() and not decoder.engine.runner.idle_rows_free
+    decoder.engine.runner.idle_rows_free = True  # this instance only
+    scheduler = FairScheduler(decoder.engine, max_batch=4, held_share=0.4)
+    a_params, b_params = SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=8, ignore_eos=True)
+    a = scheduler.submit(decoder.request([1, 2, 3], a_params), tenant="A", group="a")
+    b = [scheduler.submit(decoder.request([4, 5], b_params), tenant="B", group="b") for _ in range(6)]
+    scheduler.run()
+    assert scheduler.sat_out > 0
+    alone = _decoder(tiny_target)
+    assert a.stop.generated == alone.generate([1, 2, 3], a_params).token_ids
+    assert all(r.stop.generated == alone.generate([4, 5], b_params).token_ids for r in b)

@@ -121,11 +121,12 @@ class BatchKVCache:
 
     def inputs(self, blocks: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``input_ids``, ``position_ids`` ``[B, width]`` and the additive attention mask
-        ``[B, 1, width, L + width]`` for one block per row (in row order), padded to ``width``."""
+        ``[B, 1, width, L + width]`` for one block per row (in row order), padded to ``width``;
+        an empty block is all padding (the row sits the step out: it keeps no column)."""
         if len(blocks) != len(self.rows):
             raise ValueError(f"one block per row: {len(blocks)} blocks for {len(self.rows)} rows")
         batch = len(blocks)
-        input_ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks])
+        input_ids = torch.tensor([block + (block[-1:] or [0]) * (width - len(block)) for block in blocks])  # [] sits out: all padding
         positions = torch.tensor(self.lengths).unsqueeze(1) + torch.arange(width)
         new = torch.arange(width)
         causal = new.unsqueeze(1) >= new.unsqueeze(0)  # [width, width]

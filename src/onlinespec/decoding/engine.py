@@ -152,15 +152,23 @@ class SpeculativeEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
+    def parkable_rows(self) -> list[RequestState]:
+        """The batch's rows, where a row that sits out a step costs its forward nothing (the
+        runner's ``idle_rows_free``: llama.cpp); else none (the torch runner pads every row)."""
+        return list(self.runner.rows) if self.runner.idle_rows_free else []
+
     @torch.inference_mode()
-    def step(self, active: list[RequestState]) -> StepReport:
-        """Advance every unfinished request of ``active`` by one round (or one prefill chunk)."""
+    def step(self, active: list[RequestState], idle: frozenset[int] = frozenset()) -> StepReport:
+        """Advance every unfinished request of ``active`` by one round (or one prefill chunk);
+        the batch's rows whose ids are in ``idle`` sit this step out, their caches kept (the
+        scheduler's decode share, :mod:`onlinespec.decoding.step_shares`), unless no other row
+        would decode."""
         start = time.perf_counter()
         self._leave(active)
-        decoding: list[RequestState] = list(self.runner.rows)
+        decoding: list[RequestState] = [r for r in self.runner.rows if id(r) not in idle] or list(self.runner.rows)
         report = StepReport(batch=len(decoding))
         self._paced.clear()
-        joining = self._admit(active, decoding, report)
+        joining = self._admit(active, list(self.runner.rows), report)  # every row of the batch, sitting out or not
         for r in active:
             r.new_tokens = []
         tick = time.perf_counter()
@@ -276,23 +284,26 @@ class SpeculativeEngine:
         """ONE target forward over every running request's block (its last token and its
         proposals); each row verifies its own and keeps the columns it accepted."""
         report.width, proposals = self.planner.verify(decoding, proposals, 1, report.context)
-        blocks = [r.ids[-1:] + p.tokens for r, p in zip(decoding, proposals)]
+        blocks = {id(r): r.ids[-1:] + p.tokens for r, p in zip(decoding, proposals)}
+        rows = self.runner.rows  # a row not decoding this step gets no block: it sits out, its cache as it was
         tick = time.perf_counter()
-        logits, hidden = self.runner.forward(blocks)
+        logits, hidden = self.runner.forward([blocks.get(id(r), []) for r in rows])
         if not any(_uses_features(r) for r in decoding):
             hidden = None
         report.target_seconds = time.perf_counter() - tick
-        kept = []
-        for b, (r, proposal) in enumerate(zip(decoding, proposals)):
+        place = {id(r): b for b, r in enumerate(rows)}
+        kept = dict.fromkeys(place, 0)
+        for r, proposal in zip(decoding, proposals):
+            b = place[id(r)]
             timing = RoundTiming(len(proposal), report.draft_seconds, report.target_seconds, len(decoding), proposal.drafter)
             try:
                 n_accepted = self._finish_round(r, proposal, logits[b], hidden[b] if hidden is not None else None, timing)
             except Exception as err:  # this row's verification: it fails alone, released at the end of the step
                 self._failed(r, err, report)
                 n_accepted = 0
-            kept.append(1 + n_accepted)
+            kept[id(r)] = 1 + n_accepted
             report.add_round(proposal, n_accepted, r)
-        self.runner.commit(kept)
+        self.runner.commit([kept[id(r)] for r in rows])
 
     def _verify_joining(self, joining: list[RequestState], proposals: list[Proposal], report: StepReport) -> None:
         """Requests whose last prompt chunk runs now: prefill and first verification share a

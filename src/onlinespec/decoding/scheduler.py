@@ -23,7 +23,10 @@ Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Sche
   least charged other's charge (``RequestState.prefill_share``, :func:`prefill_shares`; a choice
   one row's block, k + 1 tokens, at least): another tenant's long prompt, or its preempted
   choices' texts, run a few tokens a step as the others are served, and never make their steps
-  seconds long.
+  seconds long. While such a held tenant decodes beside a tenant within its share, its rows get
+  at most ``held_share`` of the decoding forwards' time and sit out the steps past it, their
+  caches kept (:class:`~onlinespec.decoding.step_shares.DecodeShare`; on llama.cpp, where a row
+  that sits out costs the forward nothing).
 * within a tenant, between **requests** (a ``group``: the ``n`` choices of one HTTP request
   share one): lower ``priority`` first (vLLM's field), then the request with the fewest tokens
   served, then first come. A 16-choice request is 16 units of work, each choice a slot.
@@ -44,15 +47,14 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from onlinespec.decoding.engine import SpeculativeEngine, StepReport
 from onlinespec.decoding.request import RequestState
+from onlinespec.decoding.step_shares import DEFAULT_HELD_SHARE, DecodeShare, prefill_shares
 
 DEFAULT_MAX_BATCH = 8  # requests verified per step
 DEFAULT_QUANTUM = 512  # new tokens a choice runs before a time slice may preempt it (more tenants with work than slots)
-PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
 
 
 @dataclass
@@ -185,7 +187,8 @@ class FairScheduler:
     """The admission queue and the batch's slots, shared fairly between tenants and requests."""
 
     def __init__(self, engine: SpeculativeEngine, max_batch: int = DEFAULT_MAX_BATCH, max_running: int | None = None,
-                 weights: dict[str, float] | None = None, quantum: int = DEFAULT_QUANTUM) -> None:
+                 weights: dict[str, float] | None = None, quantum: int = DEFAULT_QUANTUM,
+                 held_share: float = DEFAULT_HELD_SHARE) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_running is not None and max_running < 1:
@@ -200,6 +203,8 @@ class FairScheduler:
         self.served: dict[str, float] = {}  # tenant -> tokens served (prompts once, new tokens)
         self.group_served: dict[object, int] = {}  # group -> tokens served, while the group has work
         self.preempted = 0  # choices taken out of the batch to give a slot to another tenant
+        self.decode_share = DecodeShare(held_share)  # held tenants' decode time while another decodes (raises on a bad share)
+        self.sat_out = 0  # steps in which held tenants' rows sat out
         self._entries: dict[int, _Entry] = {}
         self._queues: dict[str, _TenantQueue] = {}  # the tenants with work (a choice queued or running)
         self._group_sizes: dict[object, int] = {}  # group -> its choices queued or running
@@ -278,10 +283,11 @@ class FairScheduler:
             shares = prefill_shares(tenants, held, self._charge, self._weight)
             for r, e in ranked:
                 r.prefill_share = shares.get(e.tenant)
+            turn = self._decode_turn(held)
         if not active:
             return [], None
         try:
-            report = self.engine.step(active)
+            report = self.engine.step(active, turn[0] if turn else frozenset())
             self.failed_steps = 0
         except Exception:
             self.failed_steps += 1
@@ -294,6 +300,8 @@ class FairScheduler:
             return [], None
         with self._lock:
             self._charge_step(active)
+            if turn is not None:
+                self.decode_share.charge(report.target_seconds, turn[1], report.batch)
             for r in [r for r in self.running if r.finished]:
                 self.running.remove(r)
                 self._forget(r)
@@ -368,6 +376,20 @@ class FairScheduler:
             return None
         return max(mine, key=lambda r: (self._charge(self._entries[id(r)].tenant), self.group_served.get(self._entries[id(r)].group, 0),
                                         self._entries[id(r)].seq))
+
+    def _decode_turn(self, held: set[str]) -> tuple[frozenset[int], int] | None:
+        """For a step in which held tenants' rows decode beside a tenant within its share (None
+        otherwise): the ids of the rows that sit it out (the held tenants', when their share of
+        the decode time is spent), and the held rows that decode."""
+        running = {id(r) for r in self.running}
+        rows = [r for r in self.engine.parkable_rows() if id(r) in running and not r.finished]
+        mine = [r for r in rows if self._entries[id(r)].tenant in held]
+        if not mine or len(mine) == len(rows):
+            return None
+        if self.decode_share.sits_out():
+            self.sat_out += 1
+            return frozenset(id(r) for r in mine), 0
+        return frozenset(), len(mine)
 
     def _start(self, request: RequestState) -> None:
         entry = self._entries[id(request)]
@@ -453,34 +475,6 @@ class FairScheduler:
         """Each tenant with work's share of the slots: ``max_batch`` x its weight over the total."""
         total = sum(self._weight(t) for t in self._queues) or 1.0
         return {t: self.max_batch * self._weight(t) / total for t in self._queues}
-
-
-def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], float], weight: Callable[[str], float]) -> dict[str, list[int]]:
-    """What each of the running ``tenants`` may prefill this step (absent: the step's whole
-    budget; [0]: a row's block on credit, ``RequestState.prefill_share``), so that one tenant's
-    long prompts and preempted texts never make the others' steps long (issue 46). ``held``: the
-    tenants at their share of the slots with choices waiting; ``charge(t)``: a tenant's tokens
-    served over its weight; ``weight(t)``: its weight.
-
-    * a **held** tenant is paced whenever a tenant within its share runs beside it: it already
-      has its share of the batch's rows, and a prompt token costs the others' steps what a row does;
-    * between the others, each prefills up to ``PREFILL_SLACK`` tokens past the least charged of them.
-
-    A held tenant's charge never paces a tenant within its share: it lags because the slots hold
-    it back, not because it was refused the prefill, and a tenant within its share paced to it
-    only makes every step slower for both (the abuse benchmark: tenant A's prompts prefilled a
-    few tokens a step behind tenant B's 16-choice requests, docs/reliability.md)."""
-    if len(tenants) < 2:
-        return {}
-    within = tenants - held
-    if not within:  # every running tenant is held (more tenants than slots): their charges decide
-        held, within = set(), tenants
-    charges = {t: charge(t) for t in within}
-    shares = {t: [0] for t in held}
-    if len(charges) > 1:
-        shares.update({t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * weight(t)))]
-                       for t, c in charges.items()})
-    return shares
 
 
 Scheduler = FairScheduler  # the name before issue 46 (a first-come queue), kept: one scheduler, one policy

@@ -12,7 +12,8 @@ cache, and answers three questions about a batch of requests, each keyed by its 
   positions of another's that holds the same prompt (``n`` choices of one prompt), or say False;
 - ``forward(blocks)``: ONE forward over one block per running request (``rows`` order), the
   logits and hidden states of every block position; ``commit(kept)`` keeps each row's first
-  ``kept[b]`` positions and forgets the rest (rejected proposals).
+  ``kept[b]`` positions and forgets the rest (rejected proposals). An empty block is a row that
+  sits the step out (``kept[b]`` 0): its cache stays as it was.
 
 ``release(requests)`` frees what a request holds (finished, cancelled, or failed half-way),
 ``rewind()`` forgets the last ``forward`` entirely (calibration), ``reset()`` drops everything.
@@ -34,6 +35,7 @@ import torch
 
 class TargetRunner(Protocol):
     name: str  # "torch" or "llama.cpp": the calibration cache and the reports name the backend
+    idle_rows_free: bool  # a row given an empty block in ``forward`` costs it nothing (it sits the step out)
 
     @property
     def context(self) -> int:

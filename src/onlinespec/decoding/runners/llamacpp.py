@@ -129,6 +129,7 @@ class LlamaCppRunner:
     """The engine's runner on llama.cpp (the protocol: :mod:`onlinespec.decoding.runners`)."""
 
     name = "llama.cpp"
+    idle_rows_free = True  # a row without tokens in the step is simply not in llama.cpp's batch
 
     def __init__(self, model: LlamaCppModel, max_rows: int = 8, context: int | None = None,
                  threads: int | None = None, n_batch: int = N_BATCH, prefix_cache: bool = False,
@@ -269,7 +270,9 @@ class LlamaCppRunner:
     def forward(self, blocks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len(blocks) != len(self._rows):
             raise ValueError(f"one block per row: {len(blocks)} blocks for {len(self._rows)} rows")
-        sizes = [len(block) for block in blocks]
+        sizes = [len(block) for block in blocks]  # 0: the row sits the step out
+        if not any(sizes):
+            raise ValueError("a step needs at least one row with a block")
         if sum(sizes) > self.n_batch:
             raise LlamaCppError(f"a step of {sum(sizes)} tokens exceeds llama.cpp's batch of {self.n_batch}")
         # in sequence-id order: llama.cpp runs each run of consecutive ids as one graph (KV_UNIFIED)

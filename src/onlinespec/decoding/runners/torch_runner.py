@@ -29,6 +29,7 @@ DEFAULT_CONTEXT = 2048  # a model config that names no context length
 
 class TorchRunner:
     name = "torch"
+    idle_rows_free = False  # a row given an empty block still computes its padding
 
     def __init__(self, model: PreTrainedModel, cost_curve: CostCurve | None = None, pad: bool = True,
                  context: int | None = None) -> None:

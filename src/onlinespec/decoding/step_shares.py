@@ -1,0 +1,91 @@
+"""What each running tenant gets of one engine step: its prompt tokens, and whether its rows decode.
+
+The fair scheduler (:mod:`onlinespec.decoding.scheduler`) decides who holds the batch's slots.
+On a CPU the slots are not what one tenant takes from another: a batch row costs nearly a step
+of its own (docs/cpu-speculation.md: 8 one-token rows 43.8 ms where one costs 7-10 ms), so a
+tenant holding half the slots doubles the others' time per token. Two things are therefore
+shared per step:
+
+* **prompt tokens** (:func:`prefill_shares`): another tenant's long prompts, or its preempted
+  choices' texts, run a few tokens a step as the others are served;
+* **decode time** (:class:`DecodeShare`): a tenant held at its share of the slots with choices
+  waiting (it asks for more than its share) gets at most ``held_share`` of the decoding forwards'
+  time while a tenant within its share decodes; in the steps past it, its rows sit out, their
+  caches kept (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.step`'s ``idle``). Only on a
+  runner where a row that sits out costs the forward nothing (llama.cpp; the torch runner pads
+  every row of its batch cache).
+
+Equal weights would give the held tenants half of the time, and the others' time per token would
+double on a CPU (the abuse benchmark measured 2.0-2.4x, docs/reliability.md). At the default
+0.4, a tenant asking for more than its share still gets 40% of the decode time whenever it has
+work (all of it while nobody else decodes), and the others' time per token stays within 2x on a
+machine with no batching gain. That is a policy, chosen here: light tenants' latency first, a
+heavy tenant a bounded share of the time, never nothing (``--held-decode-share``; 1.0 restores
+equal rows). On a runner with a batching gain (a GPU) the rows that sit out cost the others little
+either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
+DEFAULT_HELD_SHARE = 0.4  # of the decode time, for the tenants over their share of the slots while another decodes
+DECAY = 0.9  # per contested step: the decode time counted is about the last ten such steps'
+
+
+def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], float], weight: Callable[[str], float]) -> dict[str, list[int]]:
+    """What each of the running ``tenants`` may prefill this step (absent: the step's whole
+    budget; [0]: a row's block on credit, ``RequestState.prefill_share``), so that one tenant's
+    long prompts and preempted texts never make the others' steps long (issue 46). ``held``: the
+    tenants at their share of the slots with choices waiting; ``charge(t)``: a tenant's tokens
+    served over its weight; ``weight(t)``: its weight.
+
+    * a **held** tenant is paced whenever a tenant within its share runs beside it: it already
+      has its share of the batch's rows, and a prompt token costs the others' steps what a row does;
+    * between the others, each prefills up to ``PREFILL_SLACK`` tokens past the least charged of them.
+
+    A held tenant's charge never paces a tenant within its share: it lags because the slots hold
+    it back, not because it was refused the prefill, and a tenant within its share paced to it
+    only makes every step slower for both (the abuse benchmark: tenant A's prompts prefilled a
+    few tokens a step behind tenant B's 16-choice requests, docs/reliability.md)."""
+    if len(tenants) < 2:
+        return {}
+    within = tenants - held
+    if not within:  # every running tenant is held (more tenants than slots): their charges decide
+        held, within = set(), tenants
+    charges = {t: charge(t) for t in within}
+    shares = {t: [0] for t in held}
+    if len(charges) > 1:
+        shares.update({t: [max(0, int((min(o for u, o in charges.items() if u != t) + PREFILL_SLACK - c) * weight(t)))]
+                       for t, c in charges.items()})
+    return shares
+
+
+@dataclass
+class DecodeShare:
+    """The decode time held tenants had while a tenant within its share decoded beside them
+    (exponentially decayed over the contested steps), and whether their rows sit out the next."""
+
+    held_share: float = DEFAULT_HELD_SHARE  # 1.0: never sit out
+    held_seconds: float = 0.0
+    within_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.held_share <= 1.0:
+            raise ValueError(f"held_share must be in (0, 1] (1: held tenants' rows never sit out), got {self.held_share}")
+
+    def sits_out(self) -> bool:
+        """Whether the held tenants' rows sit out the next contested step: their share of the
+        decode time counted is past ``held_share``."""
+        total = self.held_seconds + self.within_seconds
+        return total > 0 and self.held_seconds > self.held_share * total
+
+    def charge(self, seconds: float, held_rows: int, rows: int) -> None:
+        """A contested step's decoding forward took ``seconds`` over ``rows`` rows, ``held_rows``
+        of them held tenants': each row is charged an equal part."""
+        if rows <= 0:
+            return
+        self.held_seconds = DECAY * self.held_seconds + seconds * held_rows / rows
+        self.within_seconds = DECAY * self.within_seconds + seconds * (rows - held_rows) / rows
