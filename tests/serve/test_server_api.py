@@ -206,7 +206,8 @@ def test_metrics_parse_and_agree_with_the_responses(server, model):
     names = {f.name for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
     assert {"onlinespec:e2e_request_latency_seconds", "onlinespec:time_to_first_token_seconds",
             "onlinespec:inter_token_latency_seconds", "onlinespec:num_requests_running", "onlinespec:num_requests_waiting",
-            "onlinespec:draft_version_info", "onlinespec:buffer_records"} <= names
+            "onlinespec:draft_version_info", "onlinespec:buffer_records", "onlinespec:scheduler_preemptions",
+            "onlinespec:held_rows_sat_out_steps"} <= names  # counters' family names drop _total
 
 
 def test_the_admin_api_lists_pauses_updates_rolls_back_and_pins(server, model):

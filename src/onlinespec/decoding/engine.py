@@ -80,6 +80,7 @@ class StepReport:
     prefill_seconds: float = 0.0  # prompt forwards (chunks and joining requests)
     seconds: float = 0.0
     failed: list[RequestState] = field(default_factory=list)  # requests this step failed alone (their ``error``)
+    own_seconds: dict[int, float] = field(default_factory=dict)  # id(request) -> its forwards of its own (prompt chunks, joining)
 
     def add_round(self, proposal: Proposal, accepted: int, request: RequestState) -> None:
         """Count one request's verified round."""
@@ -113,6 +114,7 @@ class SpeculativeEngine:
         self.draft_failures = 0  # proposer calls that raised (their requests went on undrafted)
         self.shared_prefill_tokens = 0  # prompt positions copied from another request's cache (_share_prompt)
         self._paced: set[int] = set()  # the step's requests whose prefill runs on their credit (_paced_room)
+        self._idle: frozenset[int] = frozenset()  # the step's requests that sit it out (step's idle)
 
     @property
     def k(self) -> int:
@@ -160,14 +162,15 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def step(self, active: list[RequestState], idle: frozenset[int] = frozenset()) -> StepReport:
         """Advance every unfinished request of ``active`` by one round (or one prefill chunk);
-        the batch's rows whose ids are in ``idle`` sit this step out, their caches kept (the
-        scheduler's decode share, :mod:`onlinespec.decoding.step_shares`), unless no other row
-        would decode."""
+        the requests whose ids are in ``idle`` sit this step out (the scheduler's share of the
+        step, :mod:`onlinespec.decoding.step_shares`): rows keep their caches and decode nothing,
+        unless no other row would; prompts neither prefill nor earn credit."""
         start = time.perf_counter()
         self._leave(active)
         decoding: list[RequestState] = [r for r in self.runner.rows if id(r) not in idle] or list(self.runner.rows)
         report = StepReport(batch=len(decoding))
         self._paced.clear()
+        self._idle = idle
         joining = self._admit(active, list(self.runner.rows), report)  # every row of the batch, sitting out or not
         for r in active:
             r.new_tokens = []
@@ -213,7 +216,7 @@ class SpeculativeEngine:
         budget = self.prefill_chunk if decoding else None  # None: nobody decodes
         joining, filling = [], []
         for r in active:
-            if r.finished or id(r) in running:
+            if r.finished or id(r) in running or id(r) in self._idle:
                 continue
             self._share_prompt(r, report)
             if _may_share(r) and any(o.prompt_ids == r.prompt_ids for o in filling):
@@ -247,7 +250,8 @@ class SpeculativeEngine:
         more row of the batch cost this step) of credit, at most one block's worth banked."""
         placed_ids = {id(r) for r in placed}
         for r in active:
-            if not r.finished and id(r) not in placed_ids and r.prefill_share is not None and r.prefill_share[0] <= 0:
+            if (not r.finished and id(r) not in placed_ids and id(r) not in self._idle and r.prefill_share is not None
+                    and r.prefill_share[0] <= 0):
                 r.prefill_credit = min(r.prefill_credit + row, row + (self.k + 1) * r.prefill_rate)
 
     def _paced_room(self, r: RequestState, rest: int) -> int:
@@ -276,6 +280,7 @@ class SpeculativeEngine:
             return
         seconds = time.perf_counter() - tick
         report.prefill_seconds += seconds
+        report.own_seconds[id(r)] = report.own_seconds.get(id(r), 0.0) + seconds
         r.prefill_rate = seconds / len(chunk)
         r.prefilled += len(chunk)
         report.prefill_tokens += len(chunk)
@@ -379,6 +384,7 @@ class SpeculativeEngine:
             hidden = hidden if _uses_features(r) else None
         seconds = time.perf_counter() - tick
         report.prefill_seconds += seconds
+        report.own_seconds[id(r)] = report.own_seconds.get(id(r), 0.0) + seconds
         report.prefill_tokens += len(rest)
         r.prefill_rate = seconds / len(rest + proposal.tokens)
         if id(r) in self._paced:

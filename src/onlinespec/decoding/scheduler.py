@@ -301,7 +301,7 @@ class FairScheduler:
         with self._lock:
             self._charge_step(active)
             if turn is not None:
-                self.decode_share.charge(report.target_seconds, turn[1], report.batch)
+                self._charge_turn(report, held, turn[1])
             for r in [r for r in self.running if r.finished]:
                 self.running.remove(r)
                 self._forget(r)
@@ -379,8 +379,8 @@ class FairScheduler:
 
     def _decode_turn(self, held: set[str]) -> tuple[frozenset[int], int] | None:
         """For a step in which held tenants' rows decode beside a tenant within its share (None
-        otherwise): the ids of the rows that sit it out (the held tenants', when their share of
-        the decode time is spent), and the held rows that decode."""
+        otherwise): the ids of the requests that sit it out (all the held tenants', rows and
+        prompts, when their share of the time is spent), and the held rows that decode."""
         running = {id(r) for r in self.running}
         rows = [r for r in self.engine.parkable_rows() if id(r) in running and not r.finished]
         mine = [r for r in rows if self._entries[id(r)].tenant in held]
@@ -388,8 +388,15 @@ class FairScheduler:
             return None
         if self.decode_share.sits_out():
             self.sat_out += 1
-            return frozenset(id(r) for r in mine), 0
+            return frozenset(id(r) for r in self.running if self._entries[id(r)].tenant in held), 0
         return frozenset(), len(mine)
+
+    def _charge_turn(self, report: StepReport, held: set[str], held_rows: int) -> None:
+        """A contested step's time to the decode share: each decoding row an equal part of the
+        batched forward, and the held tenants' prompt forwards theirs."""
+        part = report.target_seconds / report.batch if report.batch else 0.0
+        own = sum(seconds for key, seconds in report.own_seconds.items() if key in self._entries and self._entries[key].tenant in held)
+        self.decode_share.charge(part * held_rows + own, part * (report.batch - held_rows))
 
     def _start(self, request: RequestState) -> None:
         entry = self._entries[id(request)]

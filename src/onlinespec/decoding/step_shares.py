@@ -8,12 +8,15 @@ shared per step:
 
 * **prompt tokens** (:func:`prefill_shares`): another tenant's long prompts, or its preempted
   choices' texts, run a few tokens a step as the others are served;
-* **decode time** (:class:`DecodeShare`): a tenant held at its share of the slots with choices
-  waiting (it asks for more than its share) gets at most ``held_share`` of the decoding forwards'
-  time while a tenant within its share decodes; in the steps past it, its rows sit out, their
-  caches kept (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.step`'s ``idle``). Only on a
-  runner where a row that sits out costs the forward nothing (llama.cpp; the torch runner pads
-  every row of its batch cache).
+* **time** (:class:`DecodeShare`): a tenant held at its share of the slots with choices waiting
+  (it asks for more than its share) gets at most ``held_share`` of the time while a tenant within
+  its share decodes: counted are its rows' part of each batched forward (an equal part per row)
+  and its prompts' forwards, against the other rows' part. In the steps past it, its requests sit
+  out (:meth:`~onlinespec.decoding.engine.SpeculativeEngine.step`'s ``idle``): its rows keep their
+  caches and decode nothing, its prompts neither prefill nor earn credit. Only on a runner where
+  a row that sits out costs the forward nothing (llama.cpp; the torch runner pads every row of
+  its batch cache). The other tenants' prompts are not counted: they are their own first tokens,
+  which they would run alone too.
 
 Equal weights would give the held tenants half of the time, and the others' time per token would
 double on a CPU (the abuse benchmark measured 2.0-2.4x, docs/reliability.md). At the default
@@ -65,8 +68,9 @@ def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], fl
 
 @dataclass
 class DecodeShare:
-    """The decode time held tenants had while a tenant within its share decoded beside them
-    (exponentially decayed over the contested steps), and whether their rows sit out the next."""
+    """The time held tenants had while a tenant within its share decoded beside them, and the
+    others' rows had (each exponentially decayed over the contested steps); whether the held
+    tenants sit out the next such step."""
 
     held_share: float = DEFAULT_HELD_SHARE  # 1.0: never sit out
     held_seconds: float = 0.0
@@ -77,15 +81,13 @@ class DecodeShare:
             raise ValueError(f"held_share must be in (0, 1] (1: held tenants' rows never sit out), got {self.held_share}")
 
     def sits_out(self) -> bool:
-        """Whether the held tenants' rows sit out the next contested step: their share of the
-        decode time counted is past ``held_share``."""
+        """Whether the held tenants sit out the next contested step: their share of the time
+        counted is past ``held_share``."""
         total = self.held_seconds + self.within_seconds
         return total > 0 and self.held_seconds > self.held_share * total
 
-    def charge(self, seconds: float, held_rows: int, rows: int) -> None:
-        """A contested step's decoding forward took ``seconds`` over ``rows`` rows, ``held_rows``
-        of them held tenants': each row is charged an equal part."""
-        if rows <= 0:
-            return
-        self.held_seconds = DECAY * self.held_seconds + seconds * held_rows / rows
-        self.within_seconds = DECAY * self.within_seconds + seconds * (rows - held_rows) / rows
+    def charge(self, held: float, within: float) -> None:
+        """A contested step's seconds: the held tenants' (their rows' part of the batched forward,
+        their prompts' forwards) and those within their share (their rows' part)."""
+        self.held_seconds = DECAY * self.held_seconds + held
+        self.within_seconds = DECAY * self.within_seconds + within

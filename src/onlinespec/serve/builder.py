@@ -122,5 +122,7 @@ def build(config: CoreConfig, target: LoadedModel, out_dir: Path, metrics: Serve
              "backend": target.backend, "device": str(target.device), "context": engine.context,
              "cost_curve_ms": curve.milliseconds() if curve else None}
     recorder = RecordWriter(pool, metrics, config, hooks.event, hooks.release, replica, on_served=share.served if share is not None else None)
-    return CoreParts(tokenizer, eos, engine, FairScheduler(engine, config.max_batch, config.tenant_max_running, config.tenant_weights, held_share=config.held_decode_share), identity, share, pool, baselines, recorder, start,
+    scheduler = FairScheduler(engine, config.max_batch, config.tenant_max_running, config.tenant_weights, held_share=config.held_decode_share)
+    metrics.scheduler(scheduler)
+    return CoreParts(tokenizer, eos, engine, scheduler, identity, share, pool, baselines, recorder, start,
                      open_fresh=config.fresh_baseline and speculative)

@@ -184,6 +184,11 @@ class ServeMetrics:
         self.waiting.set(waiting)
         self.vllm.batch(running, waiting, kv_usage)
 
+    def scheduler(self, scheduler) -> None:
+        """Export the fair scheduler's preemptions and the steps held tenants' rows sat out
+        (``onlinespec.decoding.step_shares``), read at each scrape."""
+        self.registry.register(_SchedulerCollector(scheduler))
+
     def prefix_cache(self, cache) -> None:
         """Export the prefix cache's size, budget and evictions, read at each scrape from
         ``cache()`` (a :class:`~onlinespec.decoding.prefix_cache.PrefixCache`, or None: off)."""
@@ -272,6 +277,22 @@ def batch_state(scheduler) -> tuple[int, int, float]:
     room = scheduler.max_batch * scheduler.engine.context
     held = sum(len(request.ids) for request in running)
     return len(running), len(scheduler.waiting), min(held / room, 1.0) if room > 0 else 0.0
+
+
+class _SchedulerCollector:
+    """``onlinespec:scheduler_preemptions_total`` and ``onlinespec:held_rows_sat_out_steps_total``."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield CounterMetricFamily(PREFIX + "scheduler_preemptions", "Choices taken out of the batch to give a slot to another tenant",
+                                  value=self.scheduler.preempted)
+        yield CounterMetricFamily(PREFIX + "held_rows_sat_out_steps", "Steps in which the rows of tenants over their share of the slots "
+                                  "sat out, their share of the decode time spent (--held-decode-share)", value=self.scheduler.sat_out)
 
 
 class _PrefixCacheCollector:
