@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
-DEFAULT_HELD_SHARE = 0.4  # of the decode time, for the tenants over their share of the slots while another decodes
+DEFAULT_HELD_SHARE = 0.45  # of the time, for the tenants over their share of the slots while another decodes
 DECAY = 0.9  # per contested step: the decode time counted is about the last ten such steps'
 
 
