@@ -101,7 +101,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "tenant_max_running": (Annotated[int | None, typer.Option(min=1, help="the most batch slots (running choices) one tenant holds (default: --max-batch; its fair share whenever another tenant has work waiting)")], CoreConfig.tenant_max_running),
     "tenant_max_queued_tokens": (Annotated[int, typer.Option(min=0, help="tokens (prompts + max_tokens left) one tenant's waiting choices may hold; its new requests past this get 429 (0: no cap)")], CoreConfig.tenant_max_queued_tokens),
     "tenant_weight": (Annotated[list[str] | None, typer.Option(help="TENANT=WEIGHT: the tenant's weight in the fair share of the batch (default 1); repeat it")], None),
-    "held_decode_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="while a tenant within its share decodes, the most of the decode time the tenants over their share of the slots (with requests waiting) get; past it their rows sit steps out (llama.cpp; 1.0: every row every step; docs/serve.md, 'Scheduling')")], CoreConfig.held_decode_share),
+    "held_decode_share": (Annotated[float, typer.Option(min=0.01, max=1.0, help="while a tenant within its share decodes, the most of the time the tenants over their share of the slots (with requests waiting) get, their rows and prompts; past it they sit steps out (llama.cpp; 1.0: every row every step; docs/serve.md, 'Scheduling')")], CoreConfig.held_decode_share),
     "retention_days": (Annotated[Optional[float], typer.Option(help="delete training records (and event-log lines) older than this many days (default: keep)")], CoreConfig.retention_days),
     "max_buffer_bytes": (Annotated[int, typer.Option(min=1, help="the most bytes a draft's replay buffer keeps on disk (oldest out first)")], CoreConfig.max_buffer_bytes),
     "suffix_tokens": (Annotated[int, typer.Option(min=0, help="the most tokens a draft's suffix index of earlier requests keeps (0: it learns nothing)")], CoreConfig.suffix_tokens),
@@ -126,8 +126,8 @@ def _core_config(o: dict) -> CoreConfig:
     content = ContentConfig(threshold=o["cluster_threshold"], merge_threshold=o["merge_threshold"],
                             distance_lambda=o["drift_distance_lambda"], alpha_lambda=o["drift_alpha_lambda"])
     fair = {"default_max_tokens": o["default_max_tokens"] or None, "tenant_max_queued_tokens": o["tenant_max_queued_tokens"] or None,
-            "tenant_max_running": o["tenant_max_running"], "tenant_weights": tenant_weights(o["tenant_weight"] or ()),
-            "held_decode_share": o["held_decode_share"]}  # issue 46: 0 is "no cap"
+            "tenant_max_running": o["tenant_max_running"], "tenant_weights": tenant_weights(o["tenant_weight"] or ()),  # issue 46: 0 is "no cap"
+            "held_decode_share": o["held_decode_share"]}
     return CoreConfig(**plain, **fair, learner=learner, content=content, learn_share=o["learn_share"] or None)
 
 

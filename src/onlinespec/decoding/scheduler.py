@@ -23,9 +23,9 @@ Who gets a free slot is weighted fair queueing over tokens (docs/serve.md, "Sche
   least charged other's charge (``RequestState.prefill_share``, :func:`prefill_shares`; a choice
   one row's block, k + 1 tokens, at least): another tenant's long prompt, or its preempted
   choices' texts, run a few tokens a step as the others are served, and never make their steps
-  seconds long. While such a held tenant decodes beside a tenant within its share, its rows get
-  at most ``held_share`` of the decoding forwards' time and sit out the steps past it, their
-  caches kept (:class:`~onlinespec.decoding.step_shares.DecodeShare`; on llama.cpp, where a row
+  seconds long. While such a held tenant decodes beside a tenant within its share, it gets at
+  most ``held_share`` of the time (its rows' and its prompts') and sits out the steps past it,
+  its rows' caches kept (:class:`~onlinespec.decoding.step_shares.DecodeShare`; on llama.cpp, where a row
   that sits out costs the forward nothing).
 * within a tenant, between **requests** (a ``group``: the ``n`` choices of one HTTP request
   share one): lower ``priority`` first (vLLM's field), then the request with the fewest tokens
@@ -203,7 +203,7 @@ class FairScheduler:
         self.served: dict[str, float] = {}  # tenant -> tokens served (prompts once, new tokens)
         self.group_served: dict[object, int] = {}  # group -> tokens served, while the group has work
         self.preempted = 0  # choices taken out of the batch to give a slot to another tenant
-        self.decode_share = DecodeShare(held_share)  # held tenants' decode time while another decodes (raises on a bad share)
+        self.decode_share = DecodeShare(held_share)  # held tenants' time while another decodes (raises on a bad share)
         self.sat_out = 0  # steps in which held tenants' rows sat out
         self._entries: dict[int, _Entry] = {}
         self._queues: dict[str, _TenantQueue] = {}  # the tenants with work (a choice queued or running)

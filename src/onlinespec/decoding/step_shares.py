@@ -20,12 +20,11 @@ shared per step:
 
 Equal weights would give the held tenants half of the time, and the others' time per token would
 double on a CPU (the abuse benchmark measured 2.0-2.4x, docs/reliability.md). At the default
-0.4, a tenant asking for more than its share still gets 40% of the decode time whenever it has
-work (all of it while nobody else decodes), and the others' time per token stays within 2x on a
-machine with no batching gain. That is a policy, chosen here: light tenants' latency first, a
-heavy tenant a bounded share of the time, never nothing (``--held-decode-share``; 1.0 restores
-equal rows). On a runner with a batching gain (a GPU) the rows that sit out cost the others little
-either way.
+0.45, a tenant asking for more than its share still gets 45% of the time whenever another
+decodes (all of it while nobody else does), and the others' time per token stays within 2x on
+this machine. That is a policy, chosen here: light tenants' latency first, a heavy tenant a
+bounded share of the time, never nothing (``--held-decode-share``; 1.0 restores equal rows).
+On a runner with a batching gain (a GPU) the rows that sit out cost the others little either way.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 
 PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
 DEFAULT_HELD_SHARE = 0.45  # of the time, for the tenants over their share of the slots while another decodes
-DECAY = 0.9  # per contested step: the decode time counted is about the last ten such steps'
+DECAY = 0.9  # per contested step: the time counted is about the last ten such steps'
 
 
 def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], float], weight: Callable[[str], float]) -> dict[str, list[int]]:

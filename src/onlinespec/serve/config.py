@@ -48,8 +48,8 @@ class CoreConfig:
     tenant_max_queued_tokens: int | None = DEFAULT_TENANT_QUEUED_TOKENS  # a tenant's waiting choices' tokens (text + budget left)
     # past which its new requests are refused (429); None: no cap
     tenant_weights: dict[str, float] = field(default_factory=dict)  # tenant -> its weight in the fair share (others: 1)
-    held_decode_share: float = DEFAULT_HELD_SHARE  # of the decode time, for tenants over their share of the slots while
-    # another tenant decodes (onlinespec.decoding.step_shares; 1.0: their rows decode every step)
+    held_decode_share: float = DEFAULT_HELD_SHARE  # of the time, for tenants over their share of the slots while
+    # another tenant decodes (onlinespec.decoding.step_shares, which checks it; 1.0: their rows decode every step)
     max_domains: int = 64  # distinct request domains (metrics labels, routes); a new one beyond this is refused
     shared_suffix: bool = False  # one suffix index per draft for every tenant (each tenant's proposals then reveal others' text)
     speculation_details: bool = False  # responses carry per-position and per-drafter acceptance (a side channel: off by default)
@@ -84,8 +84,6 @@ class CoreConfig:
             raise ValueError("k >= 0, max_batch >= 1, max_waiting >= 0, default_max_tokens >= 1 and max_domains >= 1 are required")
         if (self.tenant_max_running or 1) < 1 or (self.tenant_max_queued_tokens or 1) < 1 or any(not w > 0 for w in self.tenant_weights.values()):
             raise ValueError("tenant_max_running >= 1, tenant_max_queued_tokens >= 1 and tenant weights > 0 are required")
-        if not 0.0 < self.held_decode_share <= 1.0:
-            raise ValueError(f"held_decode_share must be in (0, 1] (1: every row decodes every step), got {self.held_decode_share}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if self.retention_days is not None and not self.retention_days > 0:
