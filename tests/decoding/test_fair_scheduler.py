@@ -372,7 +372,7 @@ def test_rows_that_sit_steps_out_on_the_torch_batch_cache_keep_their_text(tiny_t
     a = scheduler.submit(decoder.request([1, 2, 3], a_params), tenant="A", group="a")
     b = [scheduler.submit(decoder.request([4, 5], b_params), tenant="B", group="b") for _ in range(6)]
     scheduler.run()
-    assert scheduler.sat_out > 0
+    assert scheduler.decode_share.sat_out > 0
     alone = _decoder(tiny_target)
     assert a.stop.generated == alone.generate([1, 2, 3], a_params).token_ids
     assert all(r.stop.generated == alone.generate([4, 5], b_params).token_ids for r in b)

@@ -27,11 +27,11 @@ def core(tiny_target_folder, tmp_path):
 def _break_steps(core, failing: set[int]):
     step, calls = core.engine.step, []
 
-    def broken(active):
+    def broken(active, idle=frozenset()):
         calls.append(len(active))
         if len(calls) in failing:  # mid-request: the batch cache holds this request's rows
             raise RuntimeError("injected fault")
-        return step(active)
+        return step(active, idle)
 
     core.engine.step = broken
     return step

@@ -19,16 +19,14 @@ One step, for the requests the scheduler made active (:meth:`SpeculativeEngine.s
 5. **join** (``_verify_joining``): a request whose last prompt chunk runs now verifies its first
    proposals in the same forward of its own, then joins the batch cache.
 
-Failures stay with the request that caused them. What raises in a request's own work (its
-prompt's forwards, its verification) finishes that request alone with ``error`` set, and the
-step goes on for the others; a proposer that raises drafts nothing for that step (drafts are
-advice: output is the target's either way). A batched forward that raises cannot say whose
-fault it was: the scheduler then recomputes the batch (:meth:`~SpeculativeEngine.recompute`), and
-the next step prefills every request alone, where a culprit fails by itself.
+Failures stay with the request that caused them: what raises in its own work (its prompt's
+forwards, its verification) finishes it alone with ``error`` set; a proposer that raises drafts
+nothing that step (drafts are advice). A batched forward that raises cannot say whose fault it
+was: the scheduler recomputes the batch (:meth:`~SpeculativeEngine.recompute`), and the next
+step prefills every request alone, where a culprit fails by itself.
 
-With no proposer (or ``k = 0``) the same step is plain autoregressive decoding of the target alone,
-so the baseline runs the same code, the same kernels and the same batching. One request alone is
-a batch of one: there is no second engine.
+With no proposer (or ``k = 0``) the same step is the target alone's autoregressive decoding: the
+baseline runs the same code, kernels and batching; one request alone is a batch of one.
 """
 
 from __future__ import annotations
@@ -155,23 +153,20 @@ class SpeculativeEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def parkable_rows(self) -> list[RequestState]:
-        """The batch's rows, where a row that sits out a step costs its forward nothing (the
-        runner's ``idle_rows_free``: llama.cpp); else none (the torch runner pads every row)."""
+        """The batch's rows if one that sits a step out costs it nothing (``idle_rows_free``), else none."""
         return list(self.runner.rows) if self.runner.idle_rows_free else []
 
     @torch.inference_mode()
     def step(self, active: list[RequestState], idle: frozenset[int] = frozenset()) -> StepReport:
-        """Advance every unfinished request of ``active`` by one round (or one prefill chunk);
-        the requests whose ids are in ``idle`` sit this step out (the scheduler's share of the
-        step, :mod:`onlinespec.decoding.step_shares`): rows keep their caches and decode nothing,
-        unless no other row would; prompts neither prefill nor earn credit."""
+        """Advance every unfinished request of ``active`` by one round (or one prefill chunk); those
+        in ``idle`` sit it out (:mod:`onlinespec.decoding.step_shares`): rows keep their caches and
+        decode nothing, unless no other row would; prompts neither prefill nor earn credit."""
         start = time.perf_counter()
         self._leave(active)
         decoding: list[RequestState] = [r for r in self.runner.rows if id(r) not in idle] or list(self.runner.rows)
         report = StepReport(batch=len(decoding))
-        self._paced.clear()
-        self._idle = idle
-        joining = self._admit(active, list(self.runner.rows), report)  # every row of the batch, sitting out or not
+        self._paced, self._idle = set(), idle
+        joining = self._admit(active, report)
         for r in active:
             r.new_tokens = []
         tick = time.perf_counter()
@@ -203,17 +198,16 @@ class SpeculativeEngine:
             if proposer.swappable:
                 proposer.take_swap()
 
-    def _admit(self, active: list[RequestState], decoding: list[RequestState], report: StepReport) -> list[RequestState]:
-        """Run the prompt chunks of requests not in the batch yet, in ``active``'s order (the
-        scheduler's fair order); return those whose last chunk fits (they verify in this step, in
-        forwards of their own). While others decode, at most ``prefill_chunk`` tokens run in all;
-        on an empty batch every prompt that fits a chunk joins at once, and of longer ones one
-        chunk runs a step (a 4k-token prompt alone took one step of minutes, during which nothing
-        that arrived was admitted: issue 46). A request prefills at most what its tenant's fair
-        share of the step leaves (``prefill_share``); past it, one row's block (k + 1 tokens)
-        when its credit covers the block's cost (:meth:`_paced_room`)."""
-        running = {id(r) for r in decoding}
-        budget = self.prefill_chunk if decoding else None  # None: nobody decodes
+    def _admit(self, active: list[RequestState], report: StepReport) -> list[RequestState]:
+        """Run the prompt chunks of requests not in the batch yet, in ``active``'s (fair) order;
+        return those whose last chunk fits (they verify in this step, in forwards of their own).
+        While the batch holds rows, at most ``prefill_chunk`` tokens run in all; on an empty batch
+        every prompt that fits a chunk joins at once, and of longer ones a chunk a step (a 4k-token
+        prompt alone took a step of minutes: issue 46). A request prefills at most what its
+        tenant's share of the step leaves (``prefill_share``); past it, one row's block (k + 1
+        tokens) when its credit covers the block's cost (:meth:`_paced_room`)."""
+        running = {id(r) for r in self.runner.rows}  # sitting the step out or not
+        budget = self.prefill_chunk if running else None  # None: nobody decodes
         joining, filling = [], []
         for r in active:
             if r.finished or id(r) in running or id(r) in self._idle:
@@ -248,10 +242,9 @@ class SpeculativeEngine:
     def _credit(self, active: list[RequestState], placed: list[RequestState], row: float) -> None:
         """Each request still prefilling past its tenant's share earns ``row`` seconds (what one
         more row of the batch cost this step) of credit, at most one block's worth banked."""
-        placed_ids = {id(r) for r in placed}
+        skip = {id(r) for r in placed} | self._idle  # placed this step, or sitting it out
         for r in active:
-            if (not r.finished and id(r) not in placed_ids and id(r) not in self._idle and r.prefill_share is not None
-                    and r.prefill_share[0] <= 0):
+            if not r.finished and id(r) not in skip and r.prefill_share is not None and r.prefill_share[0] <= 0:
                 r.prefill_credit = min(r.prefill_credit + row, row + (self.k + 1) * r.prefill_rate)
 
     def _paced_room(self, r: RequestState, rest: int) -> int:
@@ -290,8 +283,7 @@ class SpeculativeEngine:
         proposals); each row verifies its own and keeps the columns it accepted."""
         report.width, proposals = self.planner.verify(decoding, proposals, 1, report.context)
         blocks = {id(r): r.ids[-1:] + p.tokens for r, p in zip(decoding, proposals)}
-        rows = self.runner.rows  # a row not decoding this step gets no block: it sits out, its cache as it was
-        tick = time.perf_counter()
+        rows, tick = self.runner.rows, time.perf_counter()  # a row not decoding this step gets no block: it sits out
         logits, hidden = self.runner.forward([blocks.get(id(r), []) for r in rows])
         if not any(_uses_features(r) for r in decoding):
             hidden = None

@@ -204,7 +204,6 @@ class FairScheduler:
         self.group_served: dict[object, int] = {}  # group -> tokens served, while the group has work
         self.preempted = 0  # choices taken out of the batch to give a slot to another tenant
         self.decode_share = DecodeShare(held_share)  # held tenants' time while another decodes (raises on a bad share)
-        self.sat_out = 0  # steps in which held tenants' rows sat out
         self._entries: dict[int, _Entry] = {}
         self._queues: dict[str, _TenantQueue] = {}  # the tenants with work (a choice queued or running)
         self._group_sizes: dict[object, int] = {}  # group -> its choices queued or running
@@ -283,11 +282,11 @@ class FairScheduler:
             shares = prefill_shares(tenants, held, self._charge, self._weight)
             for r, e in ranked:
                 r.prefill_share = shares.get(e.tenant)
-            turn = self._decode_turn(held)
+            turn = self.decode_share.turn(self.engine.parkable_rows(), self.running, lambda r: self._entries[id(r)].tenant, held)
         if not active:
             return [], None
         try:
-            report = self.engine.step(active, turn[0] if turn else frozenset())
+            report = self.engine.step(active, turn.idle if turn else frozenset())
             self.failed_steps = 0
         except Exception:
             self.failed_steps += 1
@@ -301,7 +300,7 @@ class FairScheduler:
         with self._lock:
             self._charge_step(active)
             if turn is not None:
-                self._charge_turn(report, held, turn[1])
+                self.decode_share.charge_step(report, turn)
             for r in [r for r in self.running if r.finished]:
                 self.running.remove(r)
                 self._forget(r)
@@ -376,27 +375,6 @@ class FairScheduler:
             return None
         return max(mine, key=lambda r: (self._charge(self._entries[id(r)].tenant), self.group_served.get(self._entries[id(r)].group, 0),
                                         self._entries[id(r)].seq))
-
-    def _decode_turn(self, held: set[str]) -> tuple[frozenset[int], int] | None:
-        """For a step in which held tenants' rows decode beside a tenant within its share (None
-        otherwise): the ids of the requests that sit it out (all the held tenants', rows and
-        prompts, when their share of the time is spent), and the held rows that decode."""
-        running = {id(r) for r in self.running}
-        rows = [r for r in self.engine.parkable_rows() if id(r) in running and not r.finished]
-        mine = [r for r in rows if self._entries[id(r)].tenant in held]
-        if not mine or len(mine) == len(rows):
-            return None
-        if self.decode_share.sits_out():
-            self.sat_out += 1
-            return frozenset(id(r) for r in self.running if self._entries[id(r)].tenant in held), 0
-        return frozenset(), len(mine)
-
-    def _charge_turn(self, report: StepReport, held: set[str], held_rows: int) -> None:
-        """A contested step's time to the decode share: each decoding row an equal part of the
-        batched forward, and the held tenants' prompt forwards theirs."""
-        part = report.target_seconds / report.batch if report.batch else 0.0
-        own = sum(seconds for key, seconds in report.own_seconds.items() if key in self._entries and self._entries[key].tenant in held)
-        self.decode_share.charge(part * held_rows + own, part * (report.batch - held_rows))
 
     def _start(self, request: RequestState) -> None:
         entry = self._entries[id(request)]

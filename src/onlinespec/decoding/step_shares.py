@@ -30,7 +30,7 @@ On a runner with a batching gain (a GPU) the rows that sit out cost the others l
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PREFILL_SLACK = 64  # tokens a tenant may prefill in a step past the least charged other running tenant's charge
 DEFAULT_HELD_SHARE = 0.45  # of the time, for the tenants over their share of the slots while another decodes
@@ -65,6 +65,16 @@ def prefill_shares(tenants: set[str], held: set[str], charge: Callable[[str], fl
     return shares
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A contested step: the requests that sit it out, the held tenants' rows that decode in it,
+    and every request of the held tenants (whose prompt forwards count as theirs)."""
+
+    idle: frozenset[int]
+    held_rows: int
+    held: frozenset[int]
+
+
 @dataclass
 class DecodeShare:
     """The time held tenants had while a tenant within its share decoded beside them, and the
@@ -74,16 +84,40 @@ class DecodeShare:
     held_share: float = DEFAULT_HELD_SHARE  # 1.0: never sit out
     held_seconds: float = 0.0
     within_seconds: float = 0.0
+    sat_out: int = field(default=0, compare=False)  # steps in which the held tenants sat out
 
     def __post_init__(self) -> None:
         if not 0.0 < self.held_share <= 1.0:
             raise ValueError(f"held_share must be in (0, 1] (1: held tenants' rows never sit out), got {self.held_share}")
+
+    def turn(self, rows: list, running: list, tenant: Callable[[object], str], held: set[str]) -> Turn | None:
+        """The next step's turn, when the held tenants' rows decode beside another tenant's
+        (None otherwise). ``rows``: the batch's rows that may sit out (the engine's
+        ``parkable_rows``); ``running``: the scheduler's running requests; ``tenant(r)``: whose."""
+        ids = {id(r) for r in running}
+        rows = [r for r in rows if id(r) in ids and not r.finished]
+        mine = [r for r in rows if tenant(r) in held]
+        if not mine or len(mine) == len(rows):
+            return None
+        theirs = frozenset(id(r) for r in running if tenant(r) in held)
+        if self.sits_out():
+            self.sat_out += 1
+            return Turn(theirs, 0, theirs)
+        return Turn(frozenset(), len(mine), theirs)
 
     def sits_out(self) -> bool:
         """Whether the held tenants sit out the next contested step: their share of the time
         counted is past ``held_share``."""
         total = self.held_seconds + self.within_seconds
         return total > 0 and self.held_seconds > self.held_share * total
+
+    def charge_step(self, report, turn: Turn) -> None:
+        """A contested step's time (``report``: its :class:`~onlinespec.decoding.engine.StepReport`):
+        each decoding row an equal part of the batched forward, and the held tenants' prompt
+        forwards theirs."""
+        part = report.target_seconds / report.batch if report.batch else 0.0
+        own = sum(seconds for key, seconds in report.own_seconds.items() if key in turn.held)
+        self.charge(part * turn.held_rows + own, part * (report.batch - turn.held_rows))
 
     def charge(self, held: float, within: float) -> None:
         """A contested step's seconds: the held tenants' (their rows' part of the batched forward,

@@ -292,7 +292,7 @@ class _SchedulerCollector:
         yield CounterMetricFamily(PREFIX + "scheduler_preemptions", "Choices taken out of the batch to give a slot to another tenant",
                                   value=self.scheduler.preempted)
         yield CounterMetricFamily(PREFIX + "held_rows_sat_out_steps", "Steps in which the rows of tenants over their share of the slots "
-                                  "sat out, their share of the decode time spent (--held-decode-share)", value=self.scheduler.sat_out)
+                                  "sat out, their share of the time spent (--held-decode-share)", value=self.scheduler.decode_share.sat_out)
 
 
 class _PrefixCacheCollector:
