@@ -80,6 +80,10 @@ class StepReport:
     failed: list[RequestState] = field(default_factory=list)  # requests this step failed alone (their ``error``)
     own_seconds: dict[int, float] = field(default_factory=dict)  # id(request) -> its forwards of its own (prompt chunks, joining)
 
+    def add_own(self, request: RequestState, seconds: float) -> None:  # a prompt chunk's or a joining forward's
+        self.prefill_seconds += seconds
+        self.own_seconds[id(request)] = self.own_seconds.get(id(request), 0.0) + seconds
+
     def add_round(self, proposal: Proposal, accepted: int, request: RequestState) -> None:
         """Count one request's verified round."""
         self.proposed += len(proposal)
@@ -126,10 +130,9 @@ class SpeculativeEngine:
 
     def budget(self, prompt_tokens: int, max_new_tokens: int | None = None, name: str = "max_new_tokens") -> int:
         """The new tokens a request with this prompt gets: ``max_new_tokens``, or all the context
-        leaves when None. A verification block reaches k + 1 positions past the text, and all of
-        it must fit in the context: a clear ``ValueError`` when the prompt leaves no room or the
-        budget overruns it (``name``: what the caller calls the budget). The capacity check and
-        the stop check (:class:`~onlinespec.decoding.stopping.StopChecker`) use this one answer."""
+        leaves (None). A verification block reaches k + 1 positions past the text and must fit: a
+        ``ValueError`` when the prompt leaves no room or the budget overruns it (``name``: the
+        caller's word for it). The capacity and stop checks (``StopChecker``) use this one answer."""
         room = self.context - prompt_tokens - (self.k + 1)
         if room < 1 or (max_new_tokens is not None and max_new_tokens > room):
             asked = "" if max_new_tokens is None else f" + {name} ({max_new_tokens})"
@@ -152,8 +155,7 @@ class SpeculativeEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def parkable_rows(self) -> list[RequestState]:
-        """The batch's rows if one that sits a step out costs it nothing (``idle_rows_free``), else none."""
+    def parkable_rows(self) -> list[RequestState]:  # the batch's rows if one sitting a step out costs it nothing
         return list(self.runner.rows) if self.runner.idle_rows_free else []
 
     @torch.inference_mode()
@@ -272,8 +274,7 @@ class SpeculativeEngine:
             self.runner.release([r])
             return
         seconds = time.perf_counter() - tick
-        report.prefill_seconds += seconds
-        report.own_seconds[id(r)] = report.own_seconds.get(id(r), 0.0) + seconds
+        report.add_own(r, seconds)
         r.prefill_rate = seconds / len(chunk)
         r.prefilled += len(chunk)
         report.prefill_tokens += len(chunk)
@@ -375,8 +376,7 @@ class SpeculativeEngine:
                 r.add_prompt_states(hidden[:1])  # the prompt's last position
             hidden = hidden if _uses_features(r) else None
         seconds = time.perf_counter() - tick
-        report.prefill_seconds += seconds
-        report.own_seconds[id(r)] = report.own_seconds.get(id(r), 0.0) + seconds
+        report.add_own(r, seconds)
         report.prefill_tokens += len(rest)
         r.prefill_rate = seconds / len(rest + proposal.tokens)
         if id(r) in self._paced:

@@ -1,9 +1,9 @@
 """What each running tenant gets of one engine step: its prompt tokens, and whether its rows decode.
 
 The fair scheduler (:mod:`onlinespec.decoding.scheduler`) decides who holds the batch's slots.
-On a CPU the slots are not what one tenant takes from another: a batch row costs nearly a step
-of its own (docs/cpu-speculation.md: 8 one-token rows 43.8 ms where one costs 7-10 ms), so a
-tenant holding half the slots doubles the others' time per token. Two things are therefore
+On a CPU the slots are not what one tenant takes from another: a batch row costs more than half
+a step of its own (docs/engine.md: 8 one-token rows 43.8 ms where one costs 7-10 ms), so a
+tenant holding half the slots nearly doubles the others' time per token. Two things are therefore
 shared per step:
 
 * **prompt tokens** (:func:`prefill_shares`): another tenant's long prompts, or its preempted
@@ -19,7 +19,7 @@ shared per step:
   which they would run alone too.
 
 Equal weights would give the held tenants half of the time, and the others' time per token would
-double on a CPU (the abuse benchmark measured 2.0-2.4x, docs/reliability.md). At the default
+double on a CPU (the abuse benchmark measured 1.7-2.4x over four pairs, docs/reliability.md). At the default
 0.45, a tenant asking for more than its share still gets 45% of the time whenever another
 decodes (all of it while nobody else does), and the others' time per token stays within 2x on
 this machine. That is a policy, chosen here: light tenants' latency first, a heavy tenant a
