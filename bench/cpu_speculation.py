@@ -7,6 +7,7 @@ batch 1, interleaved prompt by prompt with the order rotated (this machine's spe
 
 - `llama.cpp Q4_1`: llama-cpp-python's own generation on the shipped file (what a user runs);
 - `llama.cpp <fmt>`: the same on the converted file (the same-file baseline);
+  `auto:<fmt>` is the format ``--target-format auto`` (serve's default) chose on this machine;
 - `alone <fmt>` / `default <fmt>` / `lookup <fmt>`: onlinespec's engine with no draft, with the
   default hybrid draft (lookups, suffix index, the head where they find nothing), and with the
   model-free drafters alone, with adaptive k on the curve measured on that file.
@@ -14,7 +15,8 @@ batch 1, interleaved prompt by prompt with the order rotated (this machine's spe
 Greedy identity is checked against `alone` on the same file (a divergence's top-2 logit gap is
 reported). Ratios are pooled tokens/s and per domain, against `llama.cpp Q4_1`.
 
-    python bench/cpu_speculation.py                        # 60 prompts, q8_0 beside the shipped file (~10 min)
+    python bench/cpu_speculation.py                        # 60 prompts, the default path (--target-format auto) (~10 min)
+    python bench/cpu_speculation.py --formats as-is,q8_0   # the shipped file and its Q8_0 copy
     python bench/cpu_speculation.py --formats as-is,q8_0,f16 --summaries 20
     python bench/cpu_speculation.py --formats as-is --edits 20       # where acceptance is high
     python bench/cpu_speculation.py --target ~/.cache/onlinespec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
@@ -74,13 +76,16 @@ def _long_prompts(n: int):
 def methods(spec: str, fmt: str, proposers: list[str]):
     """(label, decoder or llama) per method on one weight format."""
     target = load_target(spec, backend="llama.cpp", target_format=fmt)
-    tag = BASE.split(" ", 1)[1] if fmt == "as-is" else fmt
+    converted = target.gguf != target.gguf_source
+    tag = Path(target.gguf).suffixes[-2][1:] if converted else BASE.split(" ", 1)[1]  # q8_0 from <file>.q8_0.gguf
+    if fmt == "auto":  # the format this machine chose for the file (onlinespec convert --format auto, as make setup runs it)
+        tag = f"auto:{tag}"
     found = {f"alone {tag}": new_decoder(target, None, 0)}
     for name in proposers:
         proposer = make_proposer(name, target).proposer
         label = {"hybrid": "default", "suffix": "lookup"}.get(name, name)
         found[f"{label} {tag}"] = new_decoder(target, proposer, 4, engine_options(target, 4, adaptive=True))
-    if fmt != "as-is":
+    if converted:  # the same-file baseline
         found[f"llama.cpp {tag}"] = PlainLlamaCpp(target.gguf)
     return target, found
 
@@ -100,9 +105,7 @@ def measure(found_queries, args) -> dict:
         target, found = methods(args.target, fmt, args.proposers.split(","))
         targets.update({m: target for m in found})
         runners.update(found)
-    tag = BASE.split(" ", 1)[1]
-    shipped = next((t for m, t in targets.items() if m.endswith(tag)), None)
-    runners = {BASE: PlainLlamaCpp(shipped.gguf if shipped else load_target(args.target, backend="llama.cpp").gguf), **runners}
+    runners = {BASE: PlainLlamaCpp(next(iter(targets.values())).gguf_source), **runners}  # the file as shipped
     encode = next(r for r in runners.values() if hasattr(r, "encode")).encode
     prompts = [encode(list(q.messages) if q.messages else q.prompt) for q in found_queries]
     for ids in prompts[:2]:  # warm-up
@@ -175,7 +178,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target", default="default", help="a GGUF file (default: the packaged SmolLM2-135M)")
     parser.add_argument("--domains", default="", help="keep only these domains of the exported prompts (chat,code,maths)")
-    parser.add_argument("--formats", default="as-is,q8_0", help="weight formats onlinespec serves (onlinespec.formats)")
+    parser.add_argument("--formats", default="auto", help="weight formats onlinespec serves (onlinespec.formats; auto: what serve serves by default)")
     parser.add_argument("--proposers", default="hybrid,suffix", help="drafts to run on each format (factory names)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu-speculation.json")
     args = parser.parse_args()

@@ -67,3 +67,30 @@ def test_auto_follows_the_cost_model():
     assert ms_per_token(q4_1, 0.3, 1.0) < ms_per_token(q8_0, 0.3, 1.0)
     # high acceptance: the file that verifies cheaply wins
     assert ms_per_token(q8_0, 0.85, 0.5) < 0.9 * ms_per_token(q4_1, 0.85, 0.5)
+
+
+def test_auto_prices_the_prompt_too():
+    """This CPU's measured costs (docs/cpu-speculation.md, 2026-12-07): Q8_0 decodes a little
+    slower than the shipped Q4_1 but reads a prompt 1.7x faster (Q4_1 has no batched kernels)."""
+    q4_1 = formats.Costs([8.8, 16.7, 23.4, 25.6, 32.2, 34.5, 41.9, 43.9], prompt_ms=3.84)
+    q8_0 = formats.Costs([9.9, 16.4, 21.0, 23.7, 28.0, 29.0, 30.5, 31.9], prompt_ms=2.21)
+    # a chat turn (the prompt twice the answer): Q8_0 serves it faster
+    assert q8_0.request_ms(None, 0.0, 256, 128) < 0.9 * q4_1.request_ms(None, 0.0, 256, 128)
+    # decoding alone (no prompt to speak of), the target alone: Q4_1's cheaper step wins
+    assert q4_1.request_ms(None, 0.0, 1, 128) < q8_0.request_ms(None, 0.0, 1, 128)
+    # the same at high acceptance: Q8_0's cheaper wide verification wins
+    assert q8_0.request_ms(0.9, 0.5, 1, 128) < q4_1.request_ms(0.9, 0.5, 1, 128)
+
+
+def test_auto_records_its_choice_and_serves_it_from_then_on(shipped, cache):
+    from onlinespec.models import load_target
+
+    assert formats.served_file(shipped, "auto") == shipped  # nothing chosen on this machine yet: the file as it is
+    choice = formats.choose(shipped, None, None, candidates=("q8_0",), quality_tokens=1024)
+    assert set(choice.request_ms) == {"as-is", "q8_0"} and choice.format in choice.request_ms
+    faster = min(choice.request_ms, key=choice.request_ms.get)
+    assert choice.format in (faster, "as-is")  # another format must win by MIN_GAIN to replace the file as it is
+    assert formats.served_file(shipped, "auto") == choice.path  # recorded: a server's start reads it
+    assert load_target("default").gguf == choice.path  # auto is the default
+    formats.remove_variants(shipped)
+    assert formats.served_file(shipped, "auto") == shipped  # the copies and the choice gone: the file as it is

@@ -55,7 +55,7 @@ class BenchConfig:
     adaptive_k: bool = True  # per step, verify only the proposals the cost model says pay
     small_batch_kernels: bool = True  # W @ X^T for 2-16 rows if measured faster (target alone runs them too)
     llama_cpp: bool = True  # llama.cpp targets: also plain llama.cpp on the file as shipped (greedy only)
-    target_format: str = "as-is"  # llama.cpp: the weight format onlinespec serves (onlinespec.formats)
+    target_format: str = "auto"  # llama.cpp: the weight format onlinespec serves (onlinespec.formats)
 
 
 @dataclass

@@ -4,18 +4,22 @@ On a CPU the weight format decides what a verified token costs, so it decides wh
 decoding can pay (arXiv 2310.07177, section 3's cost model: a round costs one verification of
 ``k + 1`` tokens plus ``k`` draft steps). ggml's CPU backend has batched (tinyBLAS) or repacked
 matrix kernels for Q8_0, F16, Q4_0, IQ4_NL and the K-quants, and none for Q4_1, the packaged
-default's format: there five verified tokens cost 3x one step, on Q8_0 about 2x
-(docs/cpu-speculation.md has the curves).
+default's format: there five verified tokens cost 3x one step, on Q8_0 about 2x, and a prompt
+costs 1.7x what it costs on Q8_0 (docs/cpu-speculation.md has the measurements).
 
-- ``as-is``: serve the user's file (the default).
+- ``as-is``: serve the user's file.
 - a format name (:data:`FORMATS`): serve a copy converted by llama.cpp's own quantiser
   (``llama_model_quantize``), written under ``$ONLINESPEC_CACHE/formats/``, never beside the
   user's file. Its quality is measured, not assumed: perplexity on held-out text
   (:func:`quality_text`, the documentation of this machine's Python standard library) against the
   user's file, and the copy is refused past :data:`MAX_PERPLEXITY_RISE`.
-- ``auto``: the format that serves fastest by the cost model, on cost curves measured on this
-  machine, at the acceptance the deployment measured (:func:`choose`); the user's file unless
-  another wins by :data:`MIN_GAIN`.
+- ``auto`` (what ``serve`` and ``bench`` default to): the format :func:`choose` recorded for the
+  file on this machine, the user's file where none was. :func:`choose` prices a reference request
+  (its prompt's forward, then its new tokens by the cost model at the acceptance the deployment
+  measured, or the target alone) on costs measured here, and keeps the user's file unless another
+  format wins by :data:`MIN_GAIN`. ``onlinespec convert --format auto`` runs it (``make setup``
+  and ``onlinespec fetch-default`` do, for the packaged target); ``--expected-acceptance`` makes a
+  server decide at its start.
 
 Conversions, their perplexities and their curves are cached (a JSON beside each converted file),
 so a later start decides in milliseconds.
@@ -33,7 +37,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from onlinespec.storage import cache_dir
@@ -48,6 +52,11 @@ MAX_PERPLEXITY_RISE = 0.01  # a converted file may be at most 1% worse than the 
 DEFAULT_C = 0.1  # auto without a measured draft cost: draft time per drafted token over one step of the file as it is
 MIN_GAIN = 0.03  # auto leaves the user's file unless another format is expected this much faster
 QUALITY_TOKENS = 4096
+# auto's reference request (where the deployment gives no shape of its own): a chat turn, its
+# prompt (system prompt, history, question) twice its answer. The prompt matters: Q4_1 has no
+# batched kernels, so a prompt costs it 1.7x what it costs Q8_0 (docs/cpu-speculation.md).
+PROMPT_TOKENS, NEW_TOKENS = 256, 128
+MAX_WIDTH, CONTEXT = 8, 128  # the measured cost curve: forwards of 1..MAX_WIDTH tokens after CONTEXT
 QUALITY_WINDOW = 512  # tokens per perplexity window (each scored from its second token)
 QUALITY_MODULES = ("json", "argparse", "collections", "logging", "pathlib", "subprocess", "textwrap", "heapq",
                    "difflib", "csv", "tarfile", "zipfile", "pickle", "string", "calendar", "fractions", "shutil",
@@ -226,7 +235,9 @@ def served_file(source: Path, fmt: str, acceptance: float | None = None, draft_m
     if fmt == AS_IS:
         return Path(source)
     if fmt == AUTO:
-        return choose(Path(source), acceptance, draft_ms).path
+        if acceptance is not None:  # the deployment's own acceptance: decide now (measuring what is not cached)
+            return choose(Path(source), acceptance, draft_ms).path
+        return chosen_file(Path(source))
     found = measured_variant(Path(source), fmt, quality_tokens)
     if found.perplexity_rise > MAX_PERPLEXITY_RISE:
         raise FormatError(f"{source} converted to {fmt} loses quality: perplexity {found.perplexity:.3f} against "
@@ -236,40 +247,95 @@ def served_file(source: Path, fmt: str, acceptance: float | None = None, draft_m
 
 
 @dataclass
+class Costs:
+    """What a file's forwards cost on this machine, as the engine runs them."""
+
+    curve: list[float]  # ms of one forward of 1..w new tokens after CONTEXT tokens (every row's logits)
+    prompt_ms: float  # ms per prompt token, a PROMPT_TOKENS-token prompt in one forward
+
+    def request_ms(self, acceptance: float | None, draft_ms: float, prompt_tokens: int, new_tokens: int) -> float:
+        """Expected ms of a request: its prompt, then its new tokens with the best k at
+        ``acceptance`` (None: the target alone)."""
+        decode = self.curve[0] if acceptance is None else ms_per_token(self.curve, acceptance, draft_ms)
+        return prompt_tokens * self.prompt_ms + new_tokens * decode
+
+
+@dataclass
 class Choice:
-    """What ``auto`` chose, and why: expected ms per token of each candidate at the acceptance."""
+    """What ``auto`` chose, and why: expected ms of the reference request on each candidate."""
 
     path: Path
     format: str
     acceptance: float | None
-    ms_per_token: dict[str, float]
+    request_ms: dict[str, float]
     perplexity_rise: dict[str, float]
+    costs: dict[str, Costs] = field(default_factory=dict)
+    prompt_tokens: int = PROMPT_TOKENS
+    new_tokens: int = NEW_TOKENS
 
 
-def choose(source: Path, acceptance: float | None, draft_ms: float | None, candidates=AUTO_CANDIDATES) -> Choice:
-    """The format among ``candidates`` (and the user's file) whose measured curve gives the fewest
-    milliseconds per token by the cost model at ``acceptance`` with ``draft_ms`` per drafted token,
-    among those within the quality limit. No measured acceptance: the user's file (a converted
-    file is slower when speculation earns little)."""
-    if acceptance is None:
-        log.info("--target-format auto: no measured acceptance yet, serving %s as it is", source.name)
-        return Choice(source, AS_IS, None, {}, {})
-    curves = {AS_IS: (source, cost_curve_ms(source))}
-    rises = {}
+def choose(source: Path, acceptance: float | None, draft_ms: float | None, candidates=AUTO_CANDIDATES,
+           prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS, quality_tokens: int = QUALITY_TOKENS) -> Choice:
+    """The format among ``candidates`` (and the user's file) that serves a request of
+    ``prompt_tokens`` + ``new_tokens`` fastest on this machine's measured costs (the prompt's
+    forward, then decoding by the cost model at ``acceptance`` with ``draft_ms`` per drafted token;
+    no acceptance: the target alone), among those within the quality limit. The user's file
+    unless another wins by :data:`MIN_GAIN`. The choice is recorded for :func:`chosen_file`."""
+    paths, rises = {AS_IS: Path(source)}, {}
     for fmt in candidates:
-        found = measured_variant(source, fmt)
+        found = measured_variant(source, fmt, quality_tokens)
         rises[fmt] = found.perplexity_rise
         if found.perplexity_rise <= MAX_PERPLEXITY_RISE:
-            curves[fmt] = (Path(found.path), cost_curve_ms(Path(found.path)))
+            paths[fmt] = Path(found.path)
+    costs = measured_costs(paths)
     if draft_ms is None:  # a draft that costs DEFAULT_C of a step of the file as it is
-        draft_ms = DEFAULT_C * curves[AS_IS][1][0]
-    costs = {fmt: ms_per_token(curve, acceptance, draft_ms) for fmt, (_, curve) in curves.items()}
-    best = min(costs, key=costs.get)
-    if best != AS_IS and costs[best] > (1 - MIN_GAIN) * costs[AS_IS]:
+        draft_ms = DEFAULT_C * costs[AS_IS].curve[0]
+    request = {fmt: c.request_ms(acceptance, draft_ms, prompt_tokens, new_tokens) for fmt, c in costs.items()}
+    best = min(request, key=request.get)
+    if best != AS_IS and request[best] > (1 - MIN_GAIN) * request[AS_IS]:
         best = AS_IS
-    log.info("--target-format auto at acceptance %.2f: %s (ms per token %s)", acceptance, best,
-             {k: round(v, 2) for k, v in costs.items()})
-    return Choice(curves[best][0], best, acceptance, costs, rises)
+    log.info("--target-format auto (%d prompt + %d new tokens, acceptance %s): %s (ms per request %s)", prompt_tokens,
+             new_tokens, acceptance, best, {k: round(v, 1) for k, v in request.items()})
+    found = Choice(paths[best], best, acceptance, request, rises, costs, prompt_tokens, new_tokens)
+    _record_choice(Path(source), found)
+    return found
+
+
+def chosen_file(source: Path) -> Path:
+    """The file :func:`choose` last chose for ``source`` on this machine (``onlinespec convert
+    --format auto``, which ``make setup`` and ``onlinespec fetch-default`` run for the packaged
+    target); ``source`` itself when none was chosen, or the chosen copy is gone. Deciding takes a
+    minute of quiet measurement, which a server's start does not do by surprise."""
+    record = _choice_record(source)
+    try:
+        saved = json.loads(record.read_text())
+        path = Path(saved["path"])
+        if saved.get("source_identity") == list(_identity(source)) and path.exists():
+            return path
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("%s could not be read (%s): serving %s as it is", record, err, source.name)
+        return Path(source)
+    log.info("--target-format auto: no format chosen for %s on this machine yet (`onlinespec convert --format auto`): "
+             "serving it as it is", source.name)
+    return Path(source)
+
+
+def _choice_record(source: Path) -> Path:
+    return variant_path(source, AUTO).parent / "auto-choice.json"
+
+
+def _record_choice(source: Path, found: Choice) -> None:
+    record = _choice_record(source)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    saved = {"source": str(source), "source_identity": list(_identity(source)), "format": found.format, "path": str(found.path),
+             "acceptance": found.acceptance, "prompt_tokens": found.prompt_tokens, "new_tokens": found.new_tokens,
+             "request_ms": found.request_ms, "perplexity_rise": found.perplexity_rise,
+             "costs": {fmt: asdict(c) for fmt, c in found.costs.items()}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved, indent=1))
+    os.replace(tmp, record)
 
 
 def ms_per_token(curve: list[float], acceptance: float, draft_ms: float) -> float:
@@ -283,23 +349,47 @@ def ms_per_token(curve: list[float], acceptance: float, draft_ms: float) -> floa
     return min(options)
 
 
-def cost_curve_ms(path: Path, max_width: int = 8, context: int = 128, reps: int = 5) -> list[float]:
-    """Milliseconds of the engine's forward of 1..``max_width`` tokens on ``path`` after ``context``
-    tokens, as the engine runs it (all rows' logits and features), one request (cached beside the file)."""
-    from onlinespec.decoding.calibrate import forward_costs
-    from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner, cpu_threads
+def measured_costs(paths: dict[str, Path], reps: int = 5) -> dict[str, Costs]:
+    """:class:`Costs` of each file, measured interleaved (round by round across the files: this
+    CPU's speed drifts within minutes) where not cached beside the file."""
+    from onlinespec.decoding.runners.llamacpp import cpu_threads
 
-    record = _curve_record(path)
-    key = f"{path.name}|{path.stat().st_size}|w{max_width}|c{context}|t{cpu_threads()}"
-    saved = json.loads(record.read_text()) if record.exists() else {}
-    if key not in saved:
-        runner = LlamaCppRunner(LlamaCppModel.load(path), max_rows=1, context=context + max_width + 8)
-        saved[key] = [round(1000 * s, 3) for s in forward_costs(runner, max_width, context, reps)]
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps(saved, indent=1))
-        os.replace(tmp, record)
-    return saved[key]
+    saved = {name: json.loads(_curve_record(p).read_text()) if _curve_record(p).exists() else {} for name, p in paths.items()}
+    keys = {name: f"{p.name}|{p.stat().st_size}|w{MAX_WIDTH}|c{CONTEXT}|p{PROMPT_TOKENS}|t{cpu_threads()}" for name, p in paths.items()}
+    missing = [name for name in paths if keys[name] not in saved[name]]
+    if missing:
+        for name, costs in _measure({name: paths[name] for name in missing}, reps).items():
+            saved[name][keys[name]] = asdict(costs)
+            record = _curve_record(paths[name])
+            record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(saved[name], indent=1))
+            os.replace(tmp, record)
+    return {name: Costs(**saved[name][keys[name]]) for name in paths}
+
+
+def _measure(paths: dict[str, Path], reps: int) -> dict[str, Costs]:
+    import statistics
+
+    import torch
+
+    from onlinespec.decoding.calibrate import forward_costs
+    from onlinespec.decoding.runners.llamacpp import LlamaCppModel, LlamaCppRunner
+
+    runners = {name: LlamaCppRunner(LlamaCppModel.load(p), max_rows=1, context=max(CONTEXT + MAX_WIDTH, PROMPT_TOKENS) + 8)
+               for name, p in paths.items()}
+    curves, prompts = {name: [] for name in paths}, {name: [] for name in paths}
+    prompt = torch.randint(0, min(r.vocab_size for r in runners.values()), (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
+    for _ in range(reps):
+        for name, runner in runners.items():
+            curves[name].append(forward_costs(runner, MAX_WIDTH, CONTEXT, reps=1))
+            row = object()
+            start = time.perf_counter()
+            runner.forward_alone(row, prompt, 1)
+            prompts[name].append(time.perf_counter() - start)
+            runner.release([row])
+    return {name: Costs([round(1000 * statistics.median(c[w] for c in curves[name]), 3) for w in range(MAX_WIDTH)],
+                        round(1000 * statistics.median(prompts[name]) / PROMPT_TOKENS, 4)) for name in paths}
 
 
 def _curve_record(path: Path) -> Path:

@@ -151,12 +151,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = "auto", device: str = "auto",
-                target_format: str = "as-is", n_gpu_layers: int = 0, expected_acceptance: float | None = None,
+                target_format: str = "auto", n_gpu_layers: int = 0, expected_acceptance: float | None = None,
                 mmap: bool = True) -> LoadedModel:
     """Load a target to serve, on the backend and device asked for (``auto``: llama.cpp for a GGUF
     file on the CPU, else torch; :mod:`onlinespec.backends`). On llama.cpp, ``target_format``
     picks the weight format served (:mod:`onlinespec.formats`: the file as it is, a converted copy
-    in the cache, or ``auto`` at ``expected_acceptance``), ``n_gpu_layers`` how many layers a GPU build of llama.cpp offloads
+    in the cache, or ``auto``: the format chosen for the file on this machine, or chosen now at
+    ``expected_acceptance``), ``n_gpu_layers`` how many layers a GPU build of llama.cpp offloads
     and ``mmap`` whether it maps the file or reads it."""
     from onlinespec.backends import resolve_backend, resolve_device, resolve_dtype_name
 
@@ -176,7 +177,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "auto", backend: str = 
                              backend=backend, gguf_source=gguf, gguf=served_file(gguf, target_format, acceptance=expected_acceptance))
         loaded.llama = LlamaCppModel.load(loaded.gguf, n_gpu_layers=n_gpu_layers, mmap=mmap)
         return loaded
-    if target_format != "as-is":  # refused before the load (a first torch load of a GGUF converts it)
+    if target_format not in ("as-is", "auto"):  # refused before the load (a first torch load of a GGUF converts it)
         raise ValueError(f"--target-format {target_format}: the torch backend runs the model as loaded; "
                          "formats are llama.cpp's (serve a .gguf target on --backend llama.cpp)")
     loaded = load_model(spec, resolve_dtype_name(dtype, device))

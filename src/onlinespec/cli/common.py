@@ -20,8 +20,10 @@ DraftOpt = Annotated[str, typer.Option(help="'hybrid[:HEAD]' (HEAD 'fresh': a he
 TargetOpt = Annotated[str, typer.Option(help="'default' (packaged SmolLM2-135M-Instruct), a HF folder or a .gguf file")]
 KOpt = Annotated[int, typer.Option("--k", "-k", min=0, help="proposal length k (tokens drafted per round)")]
 DtypeOpt = Annotated[str, typer.Option(help="torch backend: float32, bfloat16 or auto (bfloat16 on CUDA, else float32)")]
-TargetFormatOpt = Annotated[str, typer.Option(help="llama.cpp: the weight format served: as-is (the file given), a format llama.cpp converts it to "
-                                                   "in the cache (q8_0, f16, q6_k, ...; refused past +1% perplexity), or auto (docs/cpu-speculation.md)")]
+TargetFormatOpt = Annotated[str, typer.Option(help="llama.cpp: the weight format served: auto (the format `onlinespec convert --format auto` chose for "
+                                                   "the file on this machine, which make setup and fetch-default run for the default target; the file as "
+                                                   "it is if none was chosen), as-is (the file given), or a format llama.cpp converts it to in the cache "
+                                                   "(q8_0, f16, q6_k, ...; refused past +1% perplexity) (docs/cpu-speculation.md)")]
 NglOpt = Annotated[int, typer.Option("--n-gpu-layers", "-ngl", help="llama.cpp: layers a GPU build of llama-cpp-python offloads (-1: all; a CPU build ignores it)")]
 BackendOpt = Annotated[str, typer.Option(help="what runs the target: auto (llama.cpp for a .gguf file or 'default' on a CPU, else torch), llama.cpp or torch")]
 DeviceOpt = Annotated[str, typer.Option(help="torch backend: auto (cuda when torch sees one), cpu or cuda")]

@@ -37,7 +37,7 @@ CORE_OPTIONS: dict[str, tuple] = {
     "device": (DeviceOpt, CoreConfig.device),
     "target_format": (TargetFormatOpt, CoreConfig.target_format),
     "expected_acceptance": (Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="--target-format auto: the acceptance this deployment's traffic reaches "
-                                                                         "(vllm:spec_decode_num_accepted_tokens / num_draft_tokens, or bench's); without it auto serves the file as it is")],
+                                                                         "(vllm:spec_decode_num_accepted_tokens / num_draft_tokens, or bench's): decide at start; without it auto serves the format chosen before")],
                             CoreConfig.expected_acceptance),
     "n_gpu_layers": (NglOpt, CoreConfig.n_gpu_layers),
     "mmap": (Annotated[bool, typer.Option("--mmap/--no-mmap", help="llama.cpp: map the GGUF file (its pages count in resident memory, even those of "

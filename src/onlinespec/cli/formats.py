@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from onlinespec import formats
 from onlinespec.cli.common import TargetOpt, app, console, user_errors
 
 
@@ -24,42 +25,45 @@ def _source(target: str) -> Path:
 @app.command()
 def convert(
     target: TargetOpt = "default",
-    target_format: Annotated[str, typer.Option("--format", "--target-format", help="q8_0, f16, q6_k, ... or auto (compare q8_0 and f16 with the file as it is)")] = "auto",
-    acceptance: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="auto: the acceptance your traffic reaches (the server's vllm:spec_decode acceptance, or bench's)")] = None,
+    target_format: Annotated[str, typer.Option("--format", "--target-format", help="q8_0, f16, q6_k, ... or auto (compare q8_0 and f16 with the file as it is, and record the choice that serve's --target-format auto then serves)")] = "auto",
+    acceptance: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="auto: the acceptance your traffic reaches (the server's vllm:spec_decode acceptance, or bench's); none: priced as the target alone")] = None,
     draft_ms: Annotated[float, typer.Option(min=0.0, help="auto: milliseconds per drafted token (bench's draft cost c x one step)")] = 0.5,
-    clean: Annotated[bool, typer.Option("--clean", help="delete every converted copy of the target instead")] = False,
+    prompt_tokens: Annotated[int, typer.Option(min=0, help="auto: your requests' typical prompt length (vllm:prompt_tokens_total over requests)")] = formats.PROMPT_TOKENS,
+    new_tokens: Annotated[int, typer.Option(min=1, help="auto: your requests' typical answer length (vllm:generation_tokens_total over requests)")] = formats.NEW_TOKENS,
+    clean: Annotated[bool, typer.Option("--clean", help="delete every converted copy of the target (and auto's choice) instead")] = False,
 ) -> None:
     """Convert a GGUF target with llama.cpp's quantiser into the cache (never beside the file),
-    measure its perplexity against the file as it is (refused past +1%) and its cost curve, and
-    print the expected milliseconds per token of each at an acceptance; `serve --target-format`
-    then serves it."""
-    from onlinespec import formats
-
+    measure its perplexity against the file as it is (refused past +1%) and what its forwards
+    cost here (a prompt, 1..8 new tokens), and print the expected milliseconds of a request on
+    each. With --format auto the fastest is recorded: `serve --target-format auto` (the default)
+    serves it from then on."""
     source = user_errors(lambda: _source(target))
     if clean:
         console.print(f"removed {formats.remove_variants(source)} converted file(s) of {source.name}")
         return
     fmt = user_errors(lambda: formats.check_format(target_format))
-    with console.status("converting, measuring perplexity and cost curves (a minute or two, once)"):
+    with console.status("converting, measuring perplexity and costs (a minute or two on the default, once)"):
         if fmt == formats.AUTO:
-            if acceptance is None:
-                raise typer.BadParameter("auto needs the acceptance your traffic reaches: --acceptance 0.7", param_hint="--acceptance")
-            choice = user_errors(lambda: formats.choose(source, acceptance, draft_ms))
+            choice = user_errors(lambda: formats.choose(source, acceptance, draft_ms, prompt_tokens=prompt_tokens, new_tokens=new_tokens))
             rows = {name: formats.measured_variant(source, name) for name in formats.AUTO_CANDIDATES}
+            costs = choice.costs
         else:
             rows = {fmt: user_errors(lambda: formats.measured_variant(source, fmt))}
             choice = None
-    table = Table("format", "file", "MB", "perplexity", "vs as-is", "ms for 1 / 2 / 4 / 8 tokens", "ms per token")
-    base = formats.cost_curve_ms(source)
+            costs = formats.measured_costs({formats.AS_IS: source, fmt: Path(rows[fmt].path)})
+    table = Table("format", "file", "MB", "perplexity", "vs as-is", "ms per prompt token", "ms for 1 / 2 / 4 / 8 tokens",
+                  f"ms per request ({prompt_tokens} + {new_tokens})")
+    request = choice.request_ms if choice else {name: c.request_ms(acceptance, draft_ms, prompt_tokens, new_tokens) for name, c in costs.items()}
     table.add_row("as-is", source.name, f"{source.stat().st_size / 1e6:.0f}", _ppl(next(iter(rows.values())).perplexity_source), "",
-                  _curve(base), _per_token(choice, formats.AS_IS))
+                  *_costs(costs.get(formats.AS_IS)), _ms(request.get(formats.AS_IS)))
     for name, found in rows.items():
         table.add_row(name, Path(found.path).name, f"{found.size / 1e6:.0f}", _ppl(found.perplexity), f"{100 * found.perplexity_rise:+.2f}%",
-                      _curve(formats.cost_curve_ms(Path(found.path))), _per_token(choice, name))
+                      *_costs(costs.get(name)), _ms(request.get(name)))
     console.print(table)
+    at = "the target alone" if acceptance is None else f"acceptance {acceptance:.2f}"
     if choice is not None:
-        console.print(f"auto at acceptance {acceptance:.2f}: [bold]{choice.format}[/bold] -> {choice.path}")
-        console.print(f"serve it: onlinespec serve --target {target} --target-format auto --expected-acceptance {acceptance} (or --target-format {choice.format})")
+        console.print(f"auto ({at}, {prompt_tokens} prompt + {new_tokens} new tokens): [bold]{choice.format}[/bold] -> {choice.path}")
+        console.print(f"recorded: onlinespec serve --target {target} (--target-format auto, the default) serves it")
     else:
         found = next(iter(rows.values()))
         ok = found.perplexity_rise <= formats.MAX_PERPLEXITY_RISE
@@ -71,9 +75,12 @@ def _ppl(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def _curve(ms: list[float]) -> str:
-    return " / ".join(f"{ms[w - 1]:.1f}" for w in (1, 2, 4, 8) if w <= len(ms))
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
 
 
-def _per_token(choice, name: str) -> str:
-    return f"{choice.ms_per_token[name]:.2f}" if choice is not None and name in choice.ms_per_token else ""
+def _costs(costs) -> tuple[str, str]:
+    """(ms per prompt token, the curve at 1/2/4/8 tokens) of a format, or blanks where it was not measured (refused)."""
+    if costs is None:
+        return "", ""
+    return f"{costs.prompt_ms:.2f}", " / ".join(f"{costs.curve[w - 1]:.1f}" for w in (1, 2, 4, 8) if w <= len(costs.curve))

