@@ -186,6 +186,15 @@ def test_proposal_budget_follows_the_batch_size():
     assert proposal_budget([adaptive] * 8, 3) == 0
 
 
+def test_a_step_drafts_only_as_many_tokens_as_pay():
+    """Q8_0's kernels on this CPU make a second token nearly free and later ones dear: drafting k = 4
+    for one verified proposal spent three draft steps for nothing (docs/cpu-speculation.md)."""
+    curve = CostCurve({(2, 64): [14.0, 15.0, 30.0, 45.0, 60.0]})
+    adaptive = AdaptiveK(curve)
+    assert proposal_budget([adaptive] * 2, 4) == 1
+    assert proposal_budget([adaptive] * 2, 4, draft_step_seconds=20.0) == 0  # a draft step dearer than what it earns
+
+
 def test_could_pay_asks_the_curve_whether_any_draft_could_pay_at_a_batch_size():
     """Measured on llama.cpp here (docs/online-learning.md): at 8 requests a forward over 2 tokens
     costs 1.8x one over 1, and no per-step acceptance below 0.95 pays for it."""

@@ -8,9 +8,9 @@ tokens (narrower blocks are padded), whose cost comes from the measured curve
 picks ``W`` to maximise ``sum_r E_r(W - 1) / cost(B, W)``: at batch 1 that is the paper's best-k
 rule with a measured verify cost; at a batch large enough that a wider forward costs more than
 the tokens it adds, ``W = 1`` wins and the step is plain decoding, by itself, from the curve (no
-fixed batch-size threshold). Before drafting, :func:`proposal_budget` asks whether speculating
-pays at all at this batch size, from past statistics alone, so a step that will not speculate
-does not draft either.
+fixed batch-size threshold). Before drafting, :func:`proposal_budget` asks how many proposals pay
+at this batch size, from past statistics alone, so a step drafts no more than it expects to
+verify, and a step that will not speculate does not draft at all.
 
 ``a_i`` comes from measured acceptance, per draft (:class:`AdaptiveK`, in
 :mod:`onlinespec.decoding.acceptance`). This module is the maths of planning; the state a step's
@@ -90,22 +90,24 @@ def proposal_budget(
     adaptives: list[AdaptiveK | None], k: int, context: int = CONTEXTS[0], draft_step_seconds: float = 0.0,
     drafters: list[str | None] | None = None,
 ) -> int:
-    """Before drafting: ``k`` if speculating pays at all for a batch of ``len(adaptives)`` rows,
-    else 0 (a plain decoding step, nothing drafted).
+    """Before drafting: how many tokens each request drafts this step, for a batch of
+    ``len(adaptives)`` rows: the number of proposals (at most ``k``) that maximises the batch's
+    expected tokens per second, or 0 when none beats plain decoding (a plain step, nothing drafted).
 
-    Judged from past statistics alone: the best number of proposals per request at its draft's
-    measured per-step acceptance (``drafters[i]``: of that drafter's proposals only, the one whose
-    steps cost; None: of all its proposals), against the cost of that wider forward at this batch
-    size and of the draft steps, by at least ``MIN_GAIN``. When some number pays, all ``k`` are drafted and :func:`plan_step`, which
-    sees the drafts' confidences, picks how many to verify (its choices are what keeps the later
-    steps' statistics measured).
+    Judged from past statistics alone: each row's draft's measured per-step acceptance
+    (``drafters[i]``: of that drafter's proposals only, the one whose steps cost; None: of all its
+    proposals), against the cost of that wider forward at this batch size and of the draft steps,
+    by at least ``MIN_GAIN``. Drafting more than that number would spend draft steps that
+    :func:`plan_step`, which sees the drafts' confidences and picks how many to verify, would
+    rarely use: at 2-4 rows on the Q8_0 default the head drafted k = 4 tokens a row for about one
+    verified (docs/cpu-speculation.md).
     """
     planner = next((a for a in adaptives if a is not None), None)
     if planner is None or k <= 0:
         return k
     drafters = drafters or [None] * len(adaptives)
     estimates = [[1.0] * k if a is None else a.drafter_estimates(d, k) if d else a.step_estimates(k) for a, d in zip(adaptives, drafters)]
-    return k if _speculation_pays(planner, estimates, k, context, draft_step_seconds) else 0
+    return _best_count(planner, estimates, k, context, draft_step_seconds)
 
 
 def could_pay(planner: AdaptiveK, batch: int, k: int, acceptance: float = REACHABLE_ACCEPTANCE, context: int = CONTEXTS[0]) -> bool:
@@ -114,13 +116,16 @@ def could_pay(planner: AdaptiveK, batch: int, k: int, acceptance: float = REACHA
     a wider forward costs about as much as the tokens it could add (a compute-bound batch): there
     no draft pays, whatever it learns. Blocks wider than the curve measured are not judged."""
     k = min(k, planner.curve.max_width - 1)
-    return _speculation_pays(planner, [[acceptance] * k] * batch, k, context, 0.0)
+    return _best_count(planner, [[acceptance] * k] * batch, k, context, 0.0) > 0
 
 
-def _speculation_pays(planner: AdaptiveK, estimates: list[list[float]], k: int, context: int, draft_step_seconds: float) -> bool:
-    """Some number of proposals ``n <= k`` per row (each row's per-step acceptance ``estimates``)
-    beats plain decoding's rate by ``MIN_GAIN``."""
+def _best_count(planner: AdaptiveK, estimates: list[list[float]], k: int, context: int, draft_step_seconds: float) -> int:
+    """The number of proposals ``n <= k`` per row (each row's per-step acceptance ``estimates``)
+    with the highest expected rate, if that beats plain decoding's by ``MIN_GAIN``; else 0."""
     batch = len(estimates)
-    plain = (1 + MIN_GAIN) * batch / planner.cost(1, batch, context)
-    return any(sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds) > plain
-               for n in range(1, k + 1))
+    best, best_rate = 0, (1 + MIN_GAIN) * batch / planner.cost(1, batch, context)
+    for n in range(1, k + 1):
+        rate = sum(expected_tokens(e, n) for e in estimates) / (planner.cost(1 + n, batch, context) + n * draft_step_seconds)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
