@@ -248,9 +248,12 @@ def target_tables(target) -> tuple:
     return target.get_input_embeddings().weight.float().cpu(), target.get_output_embeddings().weight.float().cpu()
 
 
-# Matrices of at least this many weights are served in int8 (:func:`served_copy`): the output rows
-# (8,192 x 576) and the blocks' gate-up (2,048 x 576) on the packaged head; smaller ones gain nothing.
-SERVED_INT8_FROM = 1 << 20
+# Matrices of at least this many weights are served in int8 (:func:`served_copy`): on the packaged
+# head every one (the output rows 8,192 x 576, the fuse layer 576 x 1,152, the blocks' gate-up
+# 2,048 x 576 and down 576 x 1,024). With the fuse and down layers left in float32 (2^20, until
+# 2026-12-07) they were half the bytes a drafted token reads: a step took 1.33-1.63 ms alone in a
+# loop, 1.06-1.09 ms all in int8 (docs/cpu-speculation.md). Norm weights and biases stay float32.
+SERVED_INT8_FROM = 1 << 18
 
 
 def served_copy(head: FeatureHead) -> FeatureHead:
