@@ -87,6 +87,21 @@ def test_proposals_forced_or_cut_by_the_grammar(default_tokenizer):
     assert continued.tokens == ahead
 
 
+def test_a_sampled_drafts_eos_accepted_where_the_grammar_is_complete_ends_the_request(default_tokenizer):
+    """Where the grammar is complete, llguidance's validate_tokens refuses EOS while the mask allows
+    it: a sampled draft's EOS was kept as its (forbidden) last proposal, the verifier accepted it,
+    and consuming the round's own token after it raised (compose-spec, bench/structured.py)."""
+    eos = default_tokenizer.eos_token_id
+    state = GrammarState(Constraint.choice(["yes"]), default_tokenizer, {eos})
+    for token in default_tokenizer.encode("yes", add_special_tokens=False):
+        assert state.matcher.consume_token(token)
+    kept = state.propose(Proposal([eos], torch.full((1, 8), 0.125)), keep_forbidden=True)
+    masked, taken = state.mask(torch.zeros(2, len(default_tokenizer)), kept.tokens)
+    assert kept.tokens == [eos] and taken == 0 and masked[0, eos] == 0  # refused by validation, allowed by the mask
+    newline = default_tokenizer.encode("\n", add_special_tokens=False)[0]
+    state.advance(taken, 1, newline)  # EOS accepted: the request ends there, the token after it is never emitted
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(default_tokenizer):
     vocab = len(default_tokenizer)

@@ -196,6 +196,12 @@ class GrammarState:
 
     def advance(self, taken: int, accepted: int, next_token: int) -> None:
         """After the verdict: back to the accepted prefix of the ``taken`` proposals, then the round's own token."""
+        if accepted > taken:
+            # the verifier accepted a proposal the matcher did not take: a sampled draft's EOS kept
+            # as its last proposal where the grammar is complete (llguidance's validate_tokens
+            # refuses EOS there, its mask allows it). The request ends at that EOS: the round's
+            # own token after it is never emitted, and the matcher has nothing more to consume.
+            return
         if taken > accepted:
             self.matcher.rollback(taken - accepted)
         if not self.matcher.consume_token(next_token):
