@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from onlinespec.storage import cache_dir
+from onlinespec.storage import atomic_write, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def measured_variant(source: Path, fmt: str, tokens: int = QUALITY_TOKENS) -> Va
     found = Variant(str(source), fmt, str(path), path.stat().st_size, source_ppl, ppl, scored)
     log.info("%s: perplexity %.3f against %.3f as shipped (%+.2f%%, %d tokens, %.0f s)", path.name, ppl, source_ppl,
              100 * found.perplexity_rise, scored, time.perf_counter() - started)
-    _save(record, found)
+    atomic_write(record, json.dumps(asdict(found), indent=1))
     return found
 
 
@@ -219,12 +219,6 @@ def _source_perplexity(path: str, identity: tuple, text: str, tokens: int) -> tu
 def _identity(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
-
-
-def _save(record: Path, found: Variant) -> None:
-    tmp = record.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(found), indent=1))
-    os.replace(tmp, record)
 
 
 def served_file(source: Path, fmt: str, acceptance: float | None = None, draft_ms: float | None = None,
@@ -333,9 +327,7 @@ def _record_choice(source: Path, found: Choice) -> None:
              "acceptance": found.acceptance, "prompt_tokens": found.prompt_tokens, "new_tokens": found.new_tokens,
              "request_ms": found.request_ms, "perplexity_rise": found.perplexity_rise,
              "costs": {fmt: asdict(c) for fmt, c in found.costs.items()}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps(saved, indent=1))
-    os.replace(tmp, record)
+    atomic_write(record, json.dumps(saved, indent=1))
 
 
 def ms_per_token(curve: list[float], acceptance: float, draft_ms: float) -> float:
@@ -362,9 +354,7 @@ def measured_costs(paths: dict[str, Path], reps: int = 5) -> dict[str, Costs]:
             saved[name][keys[name]] = asdict(costs)
             record = _curve_record(paths[name])
             record.parent.mkdir(parents=True, exist_ok=True)
-            tmp = record.with_suffix(".tmp")
-            tmp.write_text(json.dumps(saved[name], indent=1))
-            os.replace(tmp, record)
+            atomic_write(record, json.dumps(saved[name], indent=1))
     return {name: Costs(**saved[name][keys[name]]) for name in paths}
 
 
