@@ -226,7 +226,16 @@ def test_backend_choice_says_what_to_fix():
         assert resolve_device("auto") == "cpu"
 
 
-def test_a_tenant_over_its_share_sits_steps_out_and_every_answer_stays_the_targets(target):
+@pytest.fixture(scope="module")
+def shipped_target():
+    """The packaged file as shipped (Q4_1), whatever format this machine chose to serve: the
+    decode share bounds *time*, and the step counts below were set where a batch row costs nearly
+    a step of its own, as on Q4_1; Q8_0's batched kernels make B's rows cheaper, so the same time
+    share buys B more steps there."""
+    return load_target("default", backend="auto", device="cpu", target_format="as-is")
+
+
+def test_a_tenant_over_its_share_sits_steps_out_and_every_answer_stays_the_targets(shipped_target):
     """Issue 46: on a CPU a batch row costs nearly a step of its own, so tenant B's 16-choice
     requests at their share of the slots doubled tenant A's time per token (the abuse benchmark,
     docs/reliability.md). Now a tenant over its share of the slots (choices waiting) gets at most
@@ -235,10 +244,10 @@ def test_a_tenant_over_its_share_sits_steps_out_and_every_answer_stays_the_targe
     and near-ties aside), B's choices all finish, and A's request decodes in every step."""
     from onlinespec.decoding.scheduler import FairScheduler
 
-    decoder = new_decoder(target, None, 0, max_batch=4)
+    decoder = new_decoder(shipped_target, None, 0, max_batch=4)
     scheduler = FairScheduler(decoder.engine, max_batch=4, held_share=0.4)
     a_prompt = [{"role": "user", "content": "Write a short poem about the sea."}]
-    b_prompt = target.tokenizer("Once upon a time").input_ids  # short: a held tenant prefills a row's block a step
+    b_prompt = shipped_target.tokenizer("Once upon a time").input_ids  # short: a held tenant prefills a row's block a step
     a_params, b_params = SamplingParams(max_new_tokens=64, ignore_eos=True), SamplingParams(max_new_tokens=12, ignore_eos=True)
     a = scheduler.submit(decoder.request(a_prompt, a_params), tenant="A", group="a")
     b = [scheduler.submit(decoder.request(b_prompt, b_params), tenant="B", group="b") for _ in range(6)]
@@ -256,8 +265,8 @@ def test_a_tenant_over_its_share_sits_steps_out_and_every_answer_stays_the_targe
     assert b_decoded <= contested / 2  # before: B's rows decoded in every step beside A's (3 rows to A's 1)
     assert b_decoded >= contested / 8  # and B is not starved of them
     assert all(r.finished and r.error is None for r in [a, *b])
-    alone = new_decoder(target, None, 0)
+    alone = new_decoder(shipped_target, None, 0)
     for r, prompt, params in [(a, a_prompt, a_params)] + [(r, b_prompt, b_params) for r in b]:
         expected = alone.generate(prompt, params).token_ids
         if r.stop.generated != expected:  # llama.cpp's batch effect: only at a near-tie
-            assert divergence_gap(target, r.prompt_ids, expected, r.stop.generated) <= NEAR_TIE["gguf"]
+            assert divergence_gap(shipped_target, r.prompt_ids, expected, r.stop.generated) <= NEAR_TIE["gguf"]
